@@ -1,0 +1,35 @@
+"""Masked reductions over action tokens. Every function takes explicit tensors and numbers."""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean of `x` over positions where `mask` is 1 (0 when the mask is empty)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Population variance over masked positions."""
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over masked positions; zero outside the mask."""
+    mean = masked_mean(x, mask)
+    std = masked_var(x, mask).clamp(min=0).sqrt()
+    return (x - mean) / (std + eps) * mask
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over action tokens (spec §5); nan when Var(R) is 0."""
+    var_r = masked_var(returns, mask)
+    if var_r.item() == 0.0:
+        return float("nan")
+    return float(1.0 - masked_var(returns - values, mask) / var_r)

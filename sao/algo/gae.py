@@ -1,0 +1,71 @@
+"""Skip-observation token-level GAE with decoupled lambda (spec §4, paper Eqs. 4-5).
+
+GAE runs over action tokens only, in order. Observation (and prompt, padding) positions are
+skipped: the last token of action i links straight to the first token of action i+1, so an
+observation never receives an advantage and never breaks the TD chain.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def length_adaptive_lambda(num_action_tokens: torch.Tensor, alpha: float = 1.5) -> torch.Tensor:
+    """lambda_policy = clip(1 - 1/(alpha * l), 0, 1) per trajectory; l = its action-token count."""
+    length = num_action_tokens.to(torch.float32).clamp(min=1.0)
+    return (1.0 - 1.0 / (alpha * length)).clamp(0.0, 1.0)
+
+
+def skip_observation_gae(
+    rewards: torch.Tensor,  # (B, T) reward on the last action token, 0 elsewhere
+    values: torch.Tensor,  # (B, T) V(s_t) at action positions
+    action_mask: torch.Tensor,  # (B, T) 1 on action tokens
+    gamma: float,
+    lam: float | torch.Tensor,  # scalar or (B,)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (advantages, returns), both (B, T) and zero off the action mask.
+
+    for p in reversed(action positions):
+        delta_p = r_p + gamma * V_next - V_p
+        A_p     = delta_p + gamma * lam * A_next
+        V_next, A_next = V_p, A_p            (start: V_next = 0, A_next = 0, terminal)
+    returns R_p = A_p + V_p.
+    """
+    B, T = rewards.shape
+    mask = action_mask.to(torch.bool)
+    lam_t = torch.as_tensor(lam, dtype=values.dtype).expand(B) if not torch.is_tensor(lam) else lam.to(values.dtype)
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros(B, dtype=values.dtype)  # (B,)
+    next_adv = torch.zeros(B, dtype=values.dtype)  # (B,)
+    for t in reversed(range(T)):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam_t * next_adv
+        advantages[:, t] = torch.where(m, adv, torch.zeros_like(adv))
+        next_value = torch.where(m, values[:, t], next_value)
+        next_adv = torch.where(m, adv, next_adv)
+    returns = (advantages + values) * action_mask
+    return advantages, returns
+
+
+def step_level_values(values: torch.Tensor, action_mask: torch.Tensor, mode: str = "last") -> torch.Tensor:
+    """Ablation (paper App. A.1): one value per turn, broadcast over that turn's action tokens.
+
+    A turn is a maximal run of consecutive action tokens. `mode` is "last" (value of the turn's
+    last token) or "mean" (mean over the turn).
+    """
+    if mode not in ("last", "mean"):
+        raise ValueError(f"step-level value mode must be 'last' or 'mean', got {mode!r}")
+    out = torch.zeros_like(values)
+    for b in range(values.shape[0]):
+        positions = action_mask[b].nonzero().flatten().tolist()
+        runs: list[list[int]] = []
+        for p in positions:
+            if runs and p == runs[-1][-1] + 1:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        for run in runs:
+            v = values[b, run[-1]] if mode == "last" else values[b, run].mean()
+            out[b, run] = v
+    return out

@@ -1,0 +1,80 @@
+"""Policy and value losses. Each returns `(loss, metrics)`; metrics are detached floats."""
+
+from __future__ import annotations
+
+import torch
+
+from sao.algo.core import masked_mean
+
+
+def dis_policy_loss(
+    logprobs: torch.Tensor,  # (B, T) log pi_theta(a_t|s_t), with grad
+    behavior_logprobs: torch.Tensor,  # (B, T) log pi_rollout(a_t|s_t) recorded by the engine
+    advantages: torch.Tensor,  # (B, T)
+    action_mask: torch.Tensor,  # (B, T)
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Direct double-sided importance sampling (spec §3, paper Eqs. 1-3).
+
+    r_t = exp(logpi_theta - behavior_logprob)                 no pi_old: one ratio covers staleness
+    w_t = r_t if 1 - eps_low < r_t < 1 + eps_high else 0      strict, both sides, any advantage sign
+    loss = -sum_t sg(w_t) sg(A_t) logpi_theta(a_t|s_t) m_t / sum_t m_t
+    Masked tokens stay in the denominator (token mean over all action tokens of the batch).
+    """
+    logratio = (logprobs.detach() - behavior_logprobs) * action_mask
+    ratio = torch.exp(logratio)
+    low = (ratio <= 1.0 - eps_low) & action_mask.bool()
+    high = (ratio >= 1.0 + eps_high) & action_mask.bool()
+    keep = (~low & ~high).to(logprobs.dtype) * action_mask
+    weight = (ratio * keep).detach()
+    pg_loss = -(weight * advantages.detach() * logprobs * action_mask).sum() / action_mask.sum().clamp(min=1)
+    # approx KL(pi_rollout || pi_theta) with the k3 estimator, over action tokens
+    approx_kl = masked_mean(torch.exp(-logratio) - 1.0 + logratio, action_mask)
+    metrics = {
+        "dis/masked_low_frac": float(masked_mean(low.float(), action_mask)),
+        "dis/masked_high_frac": float(masked_mean(high.float(), action_mask)),
+        "dis/ratio_mean": float(masked_mean(ratio, action_mask)),
+        "dis/approx_kl": float(approx_kl),
+        "loss/policy": float(pg_loss.detach()),
+    }
+    return pg_loss, metrics
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,  # (B, T) current policy, with grad
+    old_logprobs: torch.Tensor,  # (B, T) trainer snapshot before this update (pi_old)
+    advantages: torch.Tensor,  # (B, T)
+    action_mask: torch.Tensor,  # (B, T)
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clip(-higher) surrogate against pi_old, token-mean over action tokens (GRPO, VAPO)."""
+    logratio = logprobs - old_logprobs
+    ratio = torch.exp(logratio)
+    surr1 = ratio * advantages
+    surr2 = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    pg_loss = masked_mean(-torch.minimum(surr1, surr2), action_mask)
+    clipped = ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)).float()
+    metrics = {
+        "ppo/clipfrac": float(masked_mean(clipped, action_mask)),
+        "ppo/approx_kl": float(masked_mean((ratio - 1) - logratio, action_mask).detach()),
+        "loss/policy": float(pg_loss.detach()),
+    }
+    return pg_loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,  # (B, T) V_phi, with grad
+    returns: torch.Tensor,  # (B, T) targets R
+    action_mask: torch.Tensor,  # (B, T)
+    old_values: torch.Tensor | None = None,
+    clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-mean MSE (V - R)^2 over action tokens (spec §5); optional PPO-style value clipping."""
+    err = (values - returns) ** 2
+    if clip is not None and old_values is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        err = torch.maximum(err, (clipped - returns) ** 2)
+    loss = 0.5 * masked_mean(err, action_mask)
+    return loss, {"critic/value_loss": float(loss.detach())}

@@ -1,0 +1,163 @@
+"""`sao` command line: train, sft, eval, report.
+
+    sao train [CONFIG.yaml] [key=value ...] [--sync] [--quiet]
+    sao sft   [CONFIG.yaml] [key=value ...]          build + SFT-warm-start the built-in model alone
+    sao eval  RUN_OR_MODEL [key=value ...]            held-out accuracy of a run's final policy or a model
+    sao report RUN                                    PNG plots of a run's curves into RUN/plots/
+
+Bad input (unknown key, bad value, missing file) prints one line naming it and exits with code 2,
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from sao.config import Config, ConfigError, load_config
+
+USAGE_ERROR = 2
+
+
+def _split(args: list[str]) -> tuple[str | None, list[str]]:
+    files = [a for a in args if "=" not in a]
+    overrides = [a for a in args if "=" in a]
+    if len(files) > 1:
+        raise ConfigError(f"expected at most one config file, got {files}")
+    return (files[0] if files else None), overrides
+
+
+def _config(args: list[str], extra: list[str] | None = None) -> Config:
+    path, overrides = _split(args)
+    return load_config(path, overrides + (extra or []))
+
+
+def cmd_train(ns) -> int:
+    from sao.runtime.preflight import preflight
+
+    cfg = _config(ns.args, ["runtime.mode=sync"] if ns.sync else [])
+    preflight(cfg)  # fail fast on bad input, before torch is imported or anything is written
+    from sao.runtime.progress import RunProgress
+    from sao.runtime.train import train
+
+    if ns.quiet:
+        cfg.output.progress = False
+    progress = RunProgress(enabled=cfg.output.progress)
+    result = train(cfg, progress)
+    print(f"run directory: {result.run_dir}")
+    print(f"held-out accuracy: {result.accuracy_before:.3f} (start) -> {result.accuracy_after:.3f} (final) "
+          f"after {result.steps} steps in {result.wall_s:.0f}s")
+    return 0
+
+
+def cmd_sft(ns) -> int:
+    from sao.envs import make_environment
+    from sao.runtime.local import quiet_transformers
+    from sao.runtime.model_setup import prepare_base_model
+    from sao.runtime.progress import RunProgress
+
+    cfg = _config(ns.args)
+    quiet_transformers()
+    environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
+    import torch
+
+    torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)
+    progress = RunProgress(enabled=not ns.quiet)
+    path, built = prepare_base_model(cfg, environment, progress.sft_callback(cfg.sft.steps), force=ns.force)
+    print(f"{'built' if built else 'cached'} SFT model: {path}")
+    return 0
+
+
+def _resolve_model(target: str) -> tuple[Path, Path | None]:
+    """A run directory (its final actor) or a model folder -> (model path, run config or None)."""
+    p = Path(target)
+    if (p / "checkpoints" / "final" / "actor" / "config.json").is_file():
+        return p / "checkpoints" / "final" / "actor", p / "config.yaml"
+    if (p / "config.json").is_file():
+        return p, None
+    raise ConfigError(f"{target!r}: neither a run directory with a final checkpoint nor a model folder")
+
+
+def cmd_eval(ns) -> int:
+    import torch
+
+    from sao.envs import make_environment
+    from sao.models.chat import ChatCodec
+    from sao.models.tiny import load_model
+    from sao.models.tokenizer import load_tokenizer
+    from sao.runtime.evaluate import evaluate
+    from sao.runtime.local import quiet_transformers
+    from sao.runtime.train import limits_of
+
+    model_path, run_cfg = _resolve_model(ns.target)
+    cfg = load_config(run_cfg, ns.args) if run_cfg else _config(ns.args)
+    quiet_transformers()
+    torch.set_num_threads(2)
+    environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
+    codec = ChatCodec(load_tokenizer(model_path))
+    res = evaluate(load_model(model_path), codec, environment, environment.eval_tasks(cfg.eval.num_tasks),
+                   limits_of(cfg), greedy=cfg.eval.greedy, seed=cfg.train.seed)
+    print(json.dumps({"model": str(model_path), "env": cfg.env.name, "n": res.n, "accuracy": res.accuracy,
+                      "greedy": cfg.eval.greedy, "statuses": res.statuses, **res.metrics}))
+    return 0
+
+
+def cmd_report(ns) -> int:
+    from sao.runtime.report import write_report
+
+    paths = write_report(Path(ns.run))
+    for p in paths:
+        print(p)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sao", description="Single-rollout Asynchronous Optimization for LLM agents")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train with SAO (defaults: tiny model, calc task, async, CPU)")
+    p.add_argument("args", nargs="*", help="CONFIG.yaml and/or dotted overrides key=value")
+    p.add_argument("--sync", action="store_true", help="generate a batch, then train (no overlap)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("sft", help="build and SFT-warm-start the built-in tiny model (cached)")
+    p.add_argument("args", nargs="*")
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(fn=cmd_sft)
+    p = sub.add_parser("eval", help="held-out accuracy of a run's final policy or of a model folder")
+    p.add_argument("target", help="run directory or HF model folder")
+    p.add_argument("args", nargs="*")
+    p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("report", help="write PNG plots of a run's metrics into RUN/plots/")
+    p.add_argument("run")
+    p.set_defaults(fn=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.fn(ns)
+    except ConfigError as exc:
+        print(f"sao: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except ValueError as exc:  # option validation inside components (env options, algo names)
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if ":" in msg.split(" ")[0]:  # messages that name their field, e.g. "env.options.max_ops: ..."
+            print(f"sao: error: {msg}", file=sys.stderr)
+            return USAGE_ERROR
+        raise
+    except RuntimeError as exc:
+        if type(exc).__name__ != "ParityError":
+            raise
+        print(f"sao: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("sao: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

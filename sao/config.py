@@ -1,0 +1,213 @@
+"""Typed, validated run configuration: YAML files plus dotted overrides (`algo.eps_high=3.0`).
+
+One pydantic model per component; every field is documented and validated; unknown keys are
+errors. `load_config` turns any problem into a `ConfigError` whose message is one line naming the
+field or file, which the CLI prints before exiting with code 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad config value, unknown key or missing file; the message is one line."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str | None = Field(None, description="local HF model directory; empty = built-in tiny model")
+    arch: Literal["llama", "qwen2"] = Field("llama", description="built-in tiny model architecture")
+    hidden_size: int = Field(96, ge=8, description="built-in model width")
+    num_layers: int = Field(2, ge=1, description="built-in model depth")
+    num_heads: int = Field(4, ge=1, description="built-in model attention heads")
+    intermediate_size: int = Field(256, ge=8, description="built-in model MLP width")
+    max_positions: int = Field(512, ge=32, description="built-in model context length")
+    cache_dir: str = Field(".sao_cache", description="where built and SFT-warm-started models are cached")
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be divisible by num_heads")
+        return self
+
+
+class SFTConfig(Section):
+    steps: int = Field(1500, ge=0, description="SFT optimizer steps on synthetic solved episodes")
+    batch_size: int = Field(32, ge=1, description="episodes per SFT step")
+    lr: float = Field(5e-3, gt=0, description="SFT peak learning rate (cosine decay, short warm-up)")
+    seed: int = Field(0, description="seed of the demonstrations and of the model's initialization")
+
+
+class EnvConfig(Section):
+    name: str = Field("calc", description="registered environment name, or module:Class")
+    options: dict[str, Any] = Field(default_factory=dict, description="environment-specific options")
+
+
+class RolloutConfig(Section):
+    max_turns: int = Field(4, ge=1, description="assistant turns per episode before truncation")
+    max_action_tokens: int = Field(24, ge=1, description="tokens per assistant turn")
+    max_episode_tokens: int = Field(256, ge=8, description="total tokens per trajectory")
+    step_timeout_s: float = Field(30.0, gt=0, description="limit on one environment step (async envs)")
+    concurrency: int = Field(64, ge=1, description="episodes in flight in the rollout worker")
+    temperature: float = Field(1.0, ge=0, description="must be 1 for training (DIS, spec §3)")
+    top_p: float = Field(1.0, gt=0, le=1, description="must be 1 for training")
+    top_k: int = Field(0, ge=0, description="must be 0 (off) for training")
+
+    @model_validator(mode="after")
+    def _exact(self) -> RolloutConfig:
+        if (self.temperature, self.top_p, self.top_k) != (1.0, 1.0, 0):
+            raise ValueError(
+                "training samples at temperature 1, top_p 1, top_k 0: DIS needs the log-prob of the "
+                "distribution actually sampled from (spec §3)"
+            )
+        return self
+
+
+class AlgoConfig(Section):
+    name: str = Field("sao", description="algorithm from the registry (sao, grpo, grpo_dis, vapo, ...)")
+    eps_low: float = Field(0.3, gt=0, le=1, description="DIS keeps tokens with ratio > 1 - eps_low")
+    eps_high: float = Field(5.0, gt=0, description="DIS keeps tokens with ratio < 1 + eps_high")
+    ppo_eps_low: float = Field(0.2, gt=0, le=1, description="PPO clip, lower side (grpo, vapo)")
+    ppo_eps_high: float = Field(0.28, gt=0, description="PPO clip-higher, upper side (grpo, vapo)")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount")
+    lam_alpha: float = Field(1.5, gt=0, description="length-adaptive lambda_policy = 1 - 1/(alpha*l)")
+    whiten_advantages: bool = Field(True, description="batch-whiten actor advantages over action tokens")
+    group_size: int = Field(8, ge=2, description="rollouts per prompt for group baselines (grpo)")
+    running_mean_window: int = Field(8, ge=1, description="rewards averaged by the running-mean baseline")
+    running_mean_per_prompt: bool = Field(True, description="running mean per prompt (else one global window)")
+
+
+class CriticConfig(Section):
+    lr: float = Field(1e-3, gt=0, description="critic learning rate")
+    updates_per_step: int = Field(2, ge=1, description="K critic optimizer steps per actor step (TTUR)")
+    warmup_steps: int = Field(10, ge=0, description="first optimizer steps update the critic only")
+    freeze_attention: bool = Field(True, description="freeze the critic's attention projections")
+    freeze_pattern: str = Field(r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.", description="regex of frozen params")
+    grad_clip: float = Field(10.0, gt=0, description="critic gradient-norm clip (1.0 starves it)")
+    value_clip: float | None = Field(None, gt=0, description="optional PPO-style value clipping")
+    path: str | None = Field(None, description="a pretrained critic (sao pretrain-critic) to start from")
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, ge=1, description="actor optimizer steps (policy versions)")
+    batch_size: int = Field(32, ge=1, description="finished trajectories per optimizer step (B)")
+    lr: float = Field(2e-4, gt=0, description="actor learning rate")
+    grad_clip: float = Field(1.0, gt=0, description="actor gradient-norm clip")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay for actor and critic")
+    seed: int = Field(0, description="seed of task order, sampling and training")
+
+
+class RuntimeConfig(Section):
+    backend: Literal["local"] = Field("local", description="local: one machine (processes + shared memory)")
+    mode: Literal["async", "sync"] = Field("async", description="async overlap, or sync: generate then train")
+    max_lag: int = Field(4, ge=0, description="staleness bound in policy versions (pacing + drop)")
+    sync_every: int = Field(1, ge=1, description="publish weights every this many actor steps")
+    rollout_threads: int = Field(1, ge=1, description="torch intra-op threads of the rollout process")
+    trainer_threads: int = Field(1, ge=1, description="torch intra-op threads of the trainer")
+    parity_tol: float = Field(1e-4, gt=0, description="max |engine - trainer| log-prob at step 0")
+
+
+class EvalConfig(Section):
+    every: int = Field(25, ge=0, description="evaluate every this many steps (0: only start and end)")
+    num_tasks: int = Field(200, ge=1, description="held-out tasks per evaluation")
+    greedy: bool = Field(False, description="greedy decoding (default: sample at temperature 1, seeded)")
+
+
+class OutputConfig(Section):
+    root: str = Field("runs", description="parent directory of run directories")
+    name: str | None = Field(None, description="run directory name (default: algo-env-timestamp)")
+    save_every: int = Field(0, ge=0, description="checkpoint every this many steps (0: only at the end)")
+    trajectories_every: int = Field(10, ge=1, description="write sample trajectories every this many steps")
+    trajectories_per_dump: int = Field(4, ge=1, description="trajectories written per dump")
+    progress: bool = Field(True, description="show a live progress bar")
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+
+def _first_error(exc: ValidationError, prefix: str = "") -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    where = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
+    return f"{where}: {msg}"
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    if not all(parts):
+        raise ConfigError(f"override {key!r}: empty key segment")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key!r}: {p} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    tree: dict = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.eps_high=3.0")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+    return tree
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- dotted overrides; raises ConfigError with a one-line message."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r}: not found")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            line = getattr(getattr(exc, "problem_mark", None), "line", None)
+            where = f" at line {line + 1}" if line is not None else ""
+            raise ConfigError(f"config file {str(p)!r}: invalid YAML{where}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(p)!r}: top level must be a mapping")
+    tree = _deep_merge(tree, parse_overrides(overrides or []))
+    try:
+        return Config(**tree)
+    except ValidationError as exc:
+        raise ConfigError(_first_error(exc)) from None
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

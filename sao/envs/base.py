@@ -1,0 +1,109 @@
+"""The environment protocol and the registry of environments (design.md §3, style.md rule 9).
+
+An *environment* (registered by name) owns its tasks and makes one `Env` per episode:
+
+    environment = make_environment("calc", options, seed)
+    env = environment.new_episode(EpisodeContext(policy_version=3))
+    messages = await env.reset(task)          # the prompt, as chat messages
+    result = await env.step(action_text)      # StepResult(observation, reward, done, info)
+
+`reset` and `step` may be plain or `async` functions; the agent loop awaits them when needed.
+Users add their own with `register_environment("name", MyEnvironment)` or by naming
+`"package.module:MyEnvironment"` as `env.name` in the config.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict
+
+from sao.types import Task
+
+Message = dict[str, str]  # {"role": ..., "content": ...}
+
+
+@dataclass
+class StepResult:
+    observation: str  # text shown to the model as a tool message ("" when done)
+    reward: float = 0.0  # used when done; placed on the last action token
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)  # numeric entries become trajectory metrics
+
+
+@dataclass
+class EpisodeContext:
+    """What an episode may know about the run: the policy version when it started."""
+
+    policy_version: int = 0
+    trainer_version: int = 0
+
+
+@runtime_checkable
+class Env(Protocol):
+    """One episode. Raise to signal a broken episode: it is recorded as `env_error`."""
+
+    def reset(self, task: Task) -> list[Message]: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+
+class EnvOptions(BaseModel):
+    """Base class of per-environment options; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Environment(Protocol):
+    """A registered environment: its options model, its tasks, and an Env per episode."""
+
+    Options: type[EnvOptions]
+
+    def train_tasks(self) -> Iterator[Task]: ...
+
+    def eval_tasks(self, n: int) -> list[Task]: ...
+
+    def new_episode(self, ctx: EpisodeContext) -> Env: ...
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register_environment(name: str, cls: type) -> type:
+    _REGISTRY[name] = cls
+    return cls
+
+
+def resolve_environment(name: str) -> type:
+    """A registered name, or `module:Class` imported on demand."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"env.name: cannot import module {module_name!r} ({exc})") from None
+        if not hasattr(module, attr):
+            raise ValueError(f"env.name: module {module_name!r} has no attribute {attr!r}")
+        return getattr(module, attr)
+    known = ", ".join(sorted(_REGISTRY))
+    raise ValueError(f"env.name: unknown environment {name!r} (known: {known}; or give module:Class)")
+
+
+def make_environment(name: str, options: dict[str, Any], seed: int):
+    """Instantiate an environment with validated options; errors name the bad `env.options` key."""
+    from pydantic import ValidationError
+
+    cls = resolve_environment(name)
+    options_model = getattr(cls, "Options", EnvOptions)
+    try:
+        opts = options_model(**options)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise ValueError(f"env.options.{loc}: {err['msg']}") from None
+    return cls(opts, seed=seed)

@@ -1,0 +1,56 @@
+"""The critic: the actor's architecture with a zero-initialized scalar value head (spec §5).
+
+Built as a `transformers` token-classification model with one label, so it saves and loads in
+plain HF format (`AutoModelForTokenClassification`). `values[:, t]` is V(s_t), the value of the
+prefix ids[:t] (the state in which token t is chosen): the head's output at position t-1.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForTokenClassification
+
+ATTENTION_PATTERN = r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\."
+
+
+def build_critic(actor_path: str | Path, dtype: torch.dtype = torch.float32):
+    """Critic initialized from the actor checkpoint; value head zeroed so V starts at 0."""
+    config = AutoConfig.from_pretrained(str(actor_path))
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    critic = AutoModelForTokenClassification.from_pretrained(str(actor_path), config=config, dtype=dtype)
+    with torch.no_grad():
+        critic.score.weight.zero_()
+        if critic.score.bias is not None:
+            critic.score.bias.zero_()
+    return critic
+
+
+def load_critic(path: str | Path, dtype: torch.dtype = torch.float32):
+    return AutoModelForTokenClassification.from_pretrained(str(path), dtype=dtype)
+
+
+def freeze_parameters(model: torch.nn.Module, pattern: str) -> int:
+    """Freeze every parameter whose name matches `pattern`; return how many were frozen.
+
+    A pattern that matches nothing is an error (spec §5): a silent no-op would train a different
+    critic than the config says.
+    """
+    rx = re.compile(pattern)
+    frozen = 0
+    for name, p in model.named_parameters():
+        if rx.search(name):
+            p.requires_grad_(False)
+            frozen += 1
+    if frozen == 0:
+        raise ValueError(f"critic.freeze_pattern {pattern!r} matches no parameter of the critic")
+    return frozen
+
+
+def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids -> (B, T) values aligned with token positions (V(s_t) at t; 0 at t=0)."""
+    head = critic(input_ids=input_ids, attention_mask=attention_mask).logits[..., 0].float()  # (B, T)
+    return torch.nn.functional.pad(head[:, :-1], (1, 0))

@@ -1,0 +1,1 @@
+"""The agent loop (env <-> engine <-> tokenizer -> Trajectory) and the rollout worker."""

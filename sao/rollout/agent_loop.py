@@ -1,0 +1,87 @@
+"""One episode: env <-> engine <-> chat codec -> `Trajectory`. Tokens in, tokens out.
+
+    ids = prompt tokens (chat template of env.reset(task))
+    repeat up to max_turns:
+        gen  = engine.generate(ids)               sampled tokens + behavior log-probs + versions
+        ids += gen.token_ids                      action_mask = 1 on exactly these tokens
+        step = env.step(text of gen)              text is decoded for the env, never re-encoded
+        done -> reward on the last action token
+        else -> ids += observation tokens         action_mask = 0 (rendered via the chat template)
+
+An exception raised by the environment ends only this episode (status `env_error`, message kept);
+a step past `step_timeout_s` ends it with status `timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+from sao.engine.base import Engine
+from sao.envs.base import Env
+from sao.models.chat import ChatCodec
+from sao.types import SamplingParams, Status, Task, Trajectory
+
+
+@dataclass
+class EpisodeLimits:
+    max_turns: int = 4
+    max_action_tokens: int = 24
+    max_episode_tokens: int = 256
+    step_timeout_s: float = 30.0
+
+
+async def _call(fn, *args, timeout: float):
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = await asyncio.wait_for(result, timeout)
+    return result
+
+
+async def run_episode(env: Env, task: Task, engine: Engine, codec: ChatCodec, params: SamplingParams,
+                      limits: EpisodeLimits) -> Trajectory:
+    started = time.time()
+    params = replace(params, stop_token_ids=(codec.eos_id,))
+    traj = Trajectory(id=uuid.uuid4().hex[:12], task_id=task.id, token_ids=[], action_mask=[],
+                      behavior_logprobs=[], token_versions=[], prompt_len=0, started_at=started)
+
+    def append(ids: list[int], logprobs: list[float] | None = None, versions: list[int] | None = None):
+        traj.token_ids += ids
+        traj.action_mask += [1 if logprobs is not None else 0] * len(ids)
+        traj.behavior_logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        traj.token_versions += versions if versions is not None else [-1] * len(ids)
+
+    try:
+        messages = await _call(env.reset, task, timeout=limits.step_timeout_s)
+        append(codec.prompt_ids(messages))
+        traj.prompt_len = len(traj.token_ids)
+        traj.status, traj.status_reason = Status.TRUNCATED, "turn limit"
+        for turn in range(limits.max_turns):
+            budget = min(limits.max_action_tokens, limits.max_episode_tokens - len(traj.token_ids))
+            if budget <= 0:
+                traj.status_reason = "token limit"
+                break
+            gen = await engine.generate(traj.token_ids, replace(params, max_new_tokens=budget))
+            append(gen.token_ids, gen.logprobs, gen.versions)
+            traj.turns = turn + 1
+            if gen.finish_reason != "stop":
+                traj.status_reason = "action token limit"
+                break
+            result = await _call(env.step, codec.action_text(gen.token_ids), timeout=limits.step_timeout_s)
+            traj.metrics.update({k: float(v) for k, v in result.info.items() if isinstance(v, (int, float))})
+            if result.done:
+                traj.reward, traj.status, traj.status_reason = float(result.reward), Status.OK, ""
+                break
+            append(codec.observation_ids(result.observation))
+    except asyncio.TimeoutError:
+        traj.status, traj.status_reason = Status.TIMEOUT, f"environment step over {limits.step_timeout_s}s"
+    except asyncio.CancelledError:
+        traj.status, traj.status_reason = Status.ABORTED, "cancelled"
+        raise
+    except Exception as exc:  # a user environment's bug ends this episode only
+        traj.status, traj.status_reason = Status.ENV_ERROR, f"{type(exc).__name__}: {exc}"[:500]
+    traj.finished_at = time.time()
+    return traj

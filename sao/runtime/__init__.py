@@ -1,0 +1,1 @@
+"""Orchestration: queue, staleness gate, weight sync, run directory; the `local` backend."""

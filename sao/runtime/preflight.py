@@ -1,0 +1,27 @@
+"""Checks that can fail on bad input, run before any heavy import and before anything is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sao.algo.registry import get_algorithm
+from sao.config import Config, ConfigError
+from sao.envs import make_environment
+
+
+def run_dir_path(cfg: Config) -> Path | None:
+    return Path(cfg.output.root) / cfg.output.name if cfg.output.name else None
+
+
+def preflight(cfg: Config):
+    """Validate names, options and paths; return the environment. Raises ConfigError/ValueError."""
+    get_algorithm(cfg.algo.name)
+    environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
+    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path: {cfg.model.path!r} is not a model folder (no config.json)")
+    if cfg.critic.path and not (Path(cfg.critic.path) / "config.json").is_file():
+        raise ConfigError(f"critic.path: {cfg.critic.path!r} is not a model folder (no config.json)")
+    path = run_dir_path(cfg)
+    if path is not None and path.exists():
+        raise ConfigError(f"output.name: run directory {str(path)!r} exists already; choose another name")
+    return environment

@@ -1,0 +1,69 @@
+"""Live progress for long work: SFT and RL steps with reward, eval accuracy, lag and tokens/s."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class RunProgress:
+    def __init__(self, enabled: bool = True, console: Console | None = None):
+        self.enabled = enabled
+        self.console = console or Console(stderr=True)
+        self._progress: Progress | None = None
+        self._task = None
+        self._eval = float("nan")
+        self._last: dict = {}
+
+    def log(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(message)
+
+    def _bar(self, label: str) -> Progress:
+        return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False)
+
+    def sft_callback(self, total: int):
+        if not self.enabled or total == 0:
+            return None
+        state: dict = {}
+
+        def on_step(step: int, loss: float) -> None:
+            if step == 0:
+                state["p"] = self._bar("[bold]SFT warm start")
+                state["p"].start()
+                state["t"] = state["p"].add_task("sft", total=total, info="")
+            state["p"].update(state["t"], advance=1, info=f"loss {loss:.3f}")
+            if step == total - 1:
+                state["p"].stop()
+
+        return on_step
+
+    def start_training(self, total: int) -> None:
+        if self.enabled:
+            self._progress = self._bar("[bold]RL")
+            self._progress.start()
+            self._task = self._progress.add_task("rl", total=total, info="")
+
+    def set_eval(self, accuracy: float) -> None:
+        self._eval = accuracy
+        if self._progress is None:
+            self.log(f"held-out accuracy: {accuracy:.3f}")
+        self._refresh(0)
+
+    def step(self, metrics: dict) -> None:
+        self._last = metrics
+        self._refresh(1)
+
+    def _refresh(self, advance: int) -> None:
+        if self._progress is None:
+            return
+        m = self._last
+        info = (f"reward {m.get('reward/mean', float('nan')):.2f}  eval {self._eval:.2f}  "
+                f"lag {m.get('async/lag_mean', 0):.1f}  tok/s {m.get('perf/tokens_per_s', 0):,.0f}")
+        self._progress.update(self._task, advance=advance, info=info)
+
+    def stop_training(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

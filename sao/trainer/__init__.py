@@ -1,0 +1,1 @@
+"""Training: `Learner.step(batch)` (synchronous, sees no queue), SFT warm start, critic pretraining."""

@@ -1,0 +1,53 @@
+"""Collate finished trajectories into right-padded tensors aligned with token positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sao.types import Trajectory
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor  # (B, T)
+    action_mask: torch.Tensor  # (B, T) float, 1 on sampled tokens
+    behavior_logprobs: torch.Tensor  # (B, T)
+    rewards: torch.Tensor  # (B, T) the outcome reward on the last action token
+    scalar_rewards: torch.Tensor  # (B,)
+    num_action_tokens: torch.Tensor  # (B,)
+    task_ids: list[str]
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
+    B = len(trajectories)
+    T = max(len(t.token_ids) for t in trajectories)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    action_mask = torch.zeros((B, T))
+    behavior = torch.zeros((B, T))
+    rewards = torch.zeros((B, T))
+    for i, t in enumerate(trajectories):
+        n = len(t.token_ids)
+        input_ids[i, :n] = torch.tensor(t.token_ids)
+        attention_mask[i, :n] = 1
+        action_mask[i, :n] = torch.tensor(t.action_mask, dtype=torch.float32)
+        behavior[i, :n] = torch.tensor(t.behavior_logprobs)
+        last = max(p for p, m in enumerate(t.action_mask) if m)  # reward on the last action token
+        rewards[i, last] = t.reward
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        action_mask=action_mask,
+        behavior_logprobs=behavior,
+        rewards=rewards,
+        scalar_rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        num_action_tokens=action_mask.sum(1),
+        task_ids=[t.task_id for t in trajectories],
+    )

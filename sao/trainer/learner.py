@@ -1,0 +1,141 @@
+"""`Learner.step(batch)`: one SAO optimizer step (spec §5 order), synchronous and queue-free.
+
+    step 1  v0 = critic(batch), no grad; returns R from lambda=1 skip-observation GAE on v0
+    step 2  K critic steps on MSE(V, R)                          (faster value update, K=2)
+    step 3  v2 = critic(batch), no grad; advantages from lambda_policy GAE on v2; whiten
+    step 4  one actor step with the DIS loss                     (skipped during critic warm-up)
+
+Critic-free algorithms (running mean) skip steps 1-3 and fill advantages on every action token.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sao.algo.baselines import RunningMeanBaseline
+from sao.algo.core import explained_variance, masked_mean, masked_whiten
+from sao.algo.gae import length_adaptive_lambda, skip_observation_gae, step_level_values
+from sao.algo.losses import dis_policy_loss, ppo_clip_loss, value_loss
+from sao.algo.registry import Algorithm
+from sao.config import AlgoConfig, CriticConfig, TrainConfig
+from sao.models.actor import sequence_logprobs, token_entropy, token_logprobs
+from sao.models.critic import critic_values, freeze_parameters
+from sao.trainer.batch import Batch
+
+
+def _adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+
+
+class Learner:
+    def __init__(self, actor, critic, algo: Algorithm, algo_cfg: AlgoConfig, critic_cfg: CriticConfig,
+                 train_cfg: TrainConfig):
+        self.actor, self.critic, self.algo = actor.train(), critic, algo
+        self.algo_cfg, self.critic_cfg, self.train_cfg = algo_cfg, critic_cfg, train_cfg
+        self.actor_opt = _adamw(actor, train_cfg.lr, train_cfg.weight_decay)
+        self.critic_opt = None
+        self.critic_updates = algo.critic_updates or critic_cfg.updates_per_step
+        self.critic_version = 0  # critic optimizer steps taken so far
+        self.steps_done = 0  # optimizer steps (critic-only warm-up steps included)
+        self.actor_version = 0  # actor optimizer steps taken so far = policy version
+        if algo.uses_critic:
+            if critic is None:
+                raise ValueError(f"algo.name={algo.name} needs a critic")
+            critic.train()
+            freeze = critic_cfg.freeze_attention if algo.freeze_attention is None else algo.freeze_attention
+            if freeze:
+                freeze_parameters(critic, critic_cfg.freeze_pattern)
+            self.critic_opt = _adamw(critic, critic_cfg.lr, train_cfg.weight_decay)
+        self.running_mean = (
+            RunningMeanBaseline(algo_cfg.running_mean_window, algo_cfg.running_mean_per_prompt)
+            if algo.advantage == "running_mean" else None
+        )
+
+    @property
+    def in_warmup(self) -> bool:
+        return self.algo.uses_critic and self.steps_done < self.critic_cfg.warmup_steps
+
+    def _values(self, batch: Batch) -> torch.Tensor:
+        v = critic_values(self.critic, batch.input_ids, batch.attention_mask)  # (B, T)
+        if self.algo.step_values:
+            v = step_level_values(v, batch.action_mask, self.algo.step_values)
+        return v
+
+    def _critic_phase(self, batch: Batch, metrics: dict) -> torch.Tensor:
+        """Steps 1-3: returns, K critic updates, then actor advantages from the updated critic."""
+        mask, cfg = batch.action_mask, self.algo_cfg
+        with torch.no_grad():  # step 1
+            v0 = self._values(batch)
+            _, returns = skip_observation_gae(batch.rewards, v0, mask, cfg.gamma, 1.0)
+        metrics["critic/explained_variance"] = explained_variance(v0, returns, mask)
+        for _ in range(self.critic_updates):  # step 2
+            v = self._values(batch)
+            loss, m = value_loss(v, returns, mask, old_values=v0, clip=self.critic_cfg.value_clip)
+            self.critic_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(
+                [p for p in self.critic.parameters() if p.requires_grad], self.critic_cfg.grad_clip)
+            self.critic_opt.step()
+            self.critic_version += 1
+        metrics.update(m)
+        metrics["critic/grad_norm"] = float(gn)
+        with torch.no_grad():  # step 3
+            v2 = self._values(batch)
+            lam = length_adaptive_lambda(batch.num_action_tokens, cfg.lam_alpha)
+            advantages, _ = skip_observation_gae(batch.rewards, v2, mask, cfg.gamma, lam)
+        metrics["critic/version"] = self.critic_version
+        metrics["critic/value_mean"] = float(masked_mean(v2, mask))
+        metrics["critic/return_mean"] = float(masked_mean(returns, mask))
+        metrics["critic/lambda_policy_mean"] = float(lam.mean())
+        return advantages
+
+    def _baseline_advantages(self, batch: Batch) -> torch.Tensor:
+        adv = self.running_mean.advantages(batch.scalar_rewards.tolist(), batch.task_ids)
+        return torch.tensor(adv)[:, None] * batch.action_mask  # every action token of a trajectory
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        t0 = time.perf_counter()
+        mask = batch.action_mask
+        metrics: dict[str, float] = {"reward/mean": float(batch.scalar_rewards.mean())}
+        if self.algo.uses_critic:
+            advantages = self._critic_phase(batch, metrics)
+        else:
+            advantages = self._baseline_advantages(batch)
+        metrics["adv/mean_raw"] = float(masked_mean(advantages, mask))
+        if self.algo_cfg.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        warmup = self.in_warmup
+        metrics["train/critic_warmup"] = float(warmup)
+        if not warmup:  # step 4
+            metrics.update(self._actor_step(batch, advantages))
+        self.steps_done += 1
+        metrics["perf/train_step_s"] = time.perf_counter() - t0
+        metrics["perf/train_tokens"] = float(batch.attention_mask.sum())
+        return metrics
+
+    def _actor_step(self, batch: Batch, advantages: torch.Tensor) -> dict[str, float]:
+        mask, cfg = batch.action_mask, self.algo_cfg
+        if self.algo.policy_loss == "ppo":
+            with torch.no_grad():  # pi_old: the extra forward pass DIS avoids
+                old_logprobs = sequence_logprobs(self.actor, batch.input_ids, batch.attention_mask)
+        logits = self.actor(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logprobs = token_logprobs(logits, batch.input_ids)  # (B, T)
+        if self.algo.policy_loss == "dis":
+            loss, metrics = dis_policy_loss(logprobs, batch.behavior_logprobs, advantages, mask,
+                                            cfg.eps_low, cfg.eps_high)
+        else:
+            loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, mask, cfg.ppo_eps_low, cfg.ppo_eps_high)
+            rollout_ratio = torch.exp((logprobs.detach() - batch.behavior_logprobs) * mask)
+            metrics["dis/ratio_mean"] = float(masked_mean(rollout_ratio, mask))
+        self.actor_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.train_cfg.grad_clip)
+        self.actor_opt.step()
+        self.actor_version += 1
+        with torch.no_grad():
+            metrics["actor/entropy"] = float(masked_mean(token_entropy(logits.detach()), mask))
+        metrics["actor/grad_norm"] = float(gn)
+        return metrics

@@ -1,0 +1,110 @@
+"""The records that cross process boundaries: tasks, sampling parameters, generations, trajectories.
+
+This module is the only contract between rollout workers and the trainer (design.md §3). Every
+record is a plain dataclass of Python scalars and lists, so it pickles cheaply through a
+`multiprocessing` queue and serializes to one JSON line; never put torch tensors here (a tensor
+sent from a process that later exits crashes the receiver, field-notes.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    """How an episode ended. Only `ok` and `truncated` episodes are trained on."""
+
+    OK = "ok"  # the environment said done
+    TRUNCATED = "truncated"  # turn limit or token budget reached before done
+    ENV_ERROR = "env_error"  # the environment raised; the reason holds the message
+    TIMEOUT = "timeout"  # the environment or sandbox ran past its time limit
+    ABORTED = "aborted"  # the run stopped while the episode was in flight
+
+
+TRAINABLE = (Status.OK, Status.TRUNCATED)
+
+
+@dataclass
+class Task:
+    """One problem an environment can be reset with."""
+
+    id: str
+    prompt: str  # the user's message
+    answer: Any = None  # what the environment checks against; never shown to the model
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SamplingParams:
+    """How the engine samples one action. Training requires temperature 1, top_p 1, top_k 0
+    (spec §3: the behavior log-prob must be the log-prob of the distribution sampled from)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    @property
+    def is_exact(self) -> bool:
+        """True when the sampled distribution is the model's own softmax (DIS-safe)."""
+        return self.temperature == 1.0 and self.top_p == 1.0 and self.top_k == 0
+
+
+@dataclass
+class Generation:
+    """What the engine returns for one `generate` call."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # log-prob of each sampled token under the distribution sampled from
+    versions: list[int]  # policy version of the weights that produced each token
+    finish_reason: str  # "stop" (a stop token was sampled) or "length"
+
+
+@dataclass
+class Trajectory:
+    """`[prompt, a_0, o_0, a_1, ..., a_n]` as token ids, exactly as sampled (spec §2)."""
+
+    id: str
+    task_id: str
+    token_ids: list[int]
+    action_mask: list[int]  # 1 on model-sampled tokens only
+    behavior_logprobs: list[float]  # 0.0 where action_mask is 0
+    token_versions: list[int]  # -1 where action_mask is 0
+    prompt_len: int
+    reward: float = 0.0
+    status: Status = Status.OK
+    status_reason: str = ""
+    turns: int = 0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(self.action_mask)
+
+    @property
+    def oldest_version(self) -> int:
+        versions = [v for v, m in zip(self.token_versions, self.action_mask) if m]
+        return min(versions) if versions else 0
+
+    def lag(self, current_version: int) -> int:
+        """Staleness: trainer version minus the oldest policy version in this trajectory."""
+        return current_version - self.oldest_version
+
+    def to_json(self) -> str:
+        row = dataclasses.asdict(self)
+        row["status"] = self.status.value
+        return json.dumps(row)
+
+    @classmethod
+    def from_json(cls, line: str) -> Trajectory:
+        row = json.loads(line)
+        row["status"] = Status(row["status"])
+        return cls(**row)

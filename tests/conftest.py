@@ -1,0 +1,27 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A randomly initialized built-in model (Llama architecture, char tokenizer), built once."""
+    from sao.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=2, num_heads=2,
+                            intermediate_size=64, max_positions=256, seed=0)
+
+
+@pytest.fixture()
+def tiny(tiny_model_dir):
+    from sao.models.chat import ChatCodec
+    from sao.models.tiny import load_model
+    from sao.models.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    return load_model(tiny_model_dir), ChatCodec(load_tokenizer(tiny_model_dir))

@@ -1,0 +1,69 @@
+"""Config validation and the CLI's contract for bad input: one line naming it, exit 2, nothing written."""
+
+import subprocess
+import sys
+
+import pytest
+
+from sao.config import ConfigError, load_config
+
+
+def test_defaults_file_and_dotted_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("algo:\n  eps_high: 4.0\ntrain:\n  steps: 7\n")
+    cfg = load_config(f, ["algo.eps_high=3.0", "runtime.max_lag=4", "env.options.max_digits=3"])
+    assert cfg.algo.eps_high == 3.0 and cfg.train.steps == 7 and cfg.runtime.max_lag == 4
+    assert cfg.env.options == {"max_digits": 3}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algo.eps_hgh=3"], "algo.eps_hgh: unknown key"),
+    (["train.steps=-1"], "train.steps: Input should be greater than or equal to 1"),
+    (["runtime.mode=fast"], "runtime.mode: Input should be 'async' or 'sync'"),
+    (["rollout.temperature=0.7"], "rollout: training samples at temperature 1"),
+    (["nonsense"], "override 'nonsense': expected key=value"),
+])
+def test_bad_values_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
+
+
+def _sao(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "sao.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "algo.eps_hgh=3"], "algo.eps_hgh: unknown key"),
+    (["train", "missing.yaml"], "config file 'missing.yaml': not found"),
+    (["train", "env.name=nope"], "env.name: unknown environment 'nope'"),
+    (["train", "env.options.max_ops=0"], "env.options.max_ops"),
+    (["train", "algo.name=ppo2"], "algo.name: unknown algorithm 'ppo2'"),
+    (["train", "model.path=/nonexistent"], "model.path: '/nonexistent' is not a model folder"),
+    (["eval", "/nonexistent"], "'/nonexistent': neither a run directory"),
+    (["report", "/nonexistent"], "not a run directory"),
+])
+def test_cli_bad_input_exits_2_without_traceback_or_writes(tmp_path, args, needle):
+    proc = _sao(*args, "output.root=runs", cwd=tmp_path) if args[0] == "train" else _sao(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_existing_run_directory_is_never_overwritten(tmp_path):
+    run = tmp_path / "runs" / "mine"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("precious\n")
+    proc = _sao("train", "output.root=runs", "output.name=mine", cwd=tmp_path)
+    assert proc.returncode == 2 and "exists already" in proc.stderr
+    assert (run / "metrics.jsonl").read_text() == "precious\n"

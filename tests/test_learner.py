@@ -1,0 +1,78 @@
+"""One optimizer step: the spec's order, K critic updates, warm-up, frozen attention, DIS."""
+
+import pytest
+import torch
+
+from sao.algo.registry import get_algorithm
+from sao.config import AlgoConfig, CriticConfig, TrainConfig
+from sao.models.critic import build_critic
+from sao.trainer.batch import collate
+from sao.trainer.learner import Learner
+from sao.types import Trajectory
+
+
+def _batch(codec, model):
+    """Two trajectories whose behavior log-probs are the actor's own (on-policy, ratio 1)."""
+    from sao.models.actor import sequence_logprobs
+
+    trajs = []
+    for i, (text, reward) in enumerate([("<calc>1+2</calc>", 1.0), ("<answer>9</answer>", 0.0)]):
+        p = codec.prompt_ids([{"role": "user", "content": "1+2"}])
+        a = codec.action_ids(text)
+        ids = p + a
+        with torch.no_grad():
+            lp = sequence_logprobs(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0].tolist()
+        mask = [0] * len(p) + [1] * len(a)
+        trajs.append(Trajectory(str(i), f"task{i}", ids, mask, [x * m for x, m in zip(lp, mask)],
+                                [0 if m else -1 for m in mask], len(p), reward=reward))
+    return collate(trajs, codec.tokenizer.pad_token_id)
+
+
+def _learner(model, critic, algo="sao", **critic_kw):
+    return Learner(model, critic, get_algorithm(algo), AlgoConfig(), CriticConfig(**critic_kw), TrainConfig(lr=1e-3))
+
+
+def test_warmup_updates_critic_only_then_actor(tiny, tiny_model_dir):
+    model, codec = tiny
+    critic = build_critic(tiny_model_dir)
+    learner = _learner(model, critic, warmup_steps=2, updates_per_step=2)
+    batch = _batch(codec, model)
+    actor_before = [p.detach().clone() for p in model.parameters()]
+    attn_before = critic.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    m = learner.step(batch)
+    assert m["train/critic_warmup"] == 1.0 and "loss/policy" not in m
+    assert all(torch.equal(a, b) for a, b in zip(actor_before, model.parameters()))  # actor untouched
+    assert learner.critic_version == 2 and learner.actor_version == 0  # K = 2 critic steps
+    learner.step(batch)
+    m = learner.step(batch)  # warm-up over: critic K steps, then one actor step
+    assert learner.critic_version == 6 and learner.actor_version == 1
+    assert m["critic/version"] == 6 and "dis/masked_low_frac" in m
+    assert not all(torch.equal(a, b) for a, b in zip(actor_before, model.parameters()))
+    assert torch.equal(attn_before, critic.model.layers[0].self_attn.q_proj.weight)  # frozen attention
+    assert critic.score.weight.abs().sum() > 0  # the value head learned
+
+
+def test_on_policy_batch_masks_nothing_and_moves_toward_reward(tiny, tiny_model_dir):
+    model, codec = tiny
+    learner = _learner(model, build_critic(tiny_model_dir), warmup_steps=0)
+    batch = _batch(codec, model)
+    m = learner.step(batch)
+    assert m["dis/masked_low_frac"] == 0.0 and m["dis/masked_high_frac"] == 0.0
+    assert m["dis/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    from sao.models.actor import sequence_logprobs
+
+    with torch.no_grad():
+        lp = sequence_logprobs(model, batch.input_ids, batch.attention_mask)
+    # the rewarded trajectory became more likely relative to the unrewarded one
+    gain = ((lp - batch.behavior_logprobs) * batch.action_mask).sum(1)
+    assert gain[0] > gain[1]
+
+
+def test_k1_ablation_and_running_mean(tiny, tiny_model_dir):
+    model, codec = tiny
+    learner = _learner(model, build_critic(tiny_model_dir), algo="sao_k1", warmup_steps=0)
+    learner.step(_batch(codec, model))
+    assert learner.critic_version == 1
+    rm = Learner(model, None, get_algorithm("running_mean"), AlgoConfig(), CriticConfig(), TrainConfig())
+    m = rm.step(_batch(codec, model))
+    assert rm.actor_version == 1 and "critic/version" not in m

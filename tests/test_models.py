@@ -1,0 +1,57 @@
+"""Tokenizer round trips, chat-template codec, critic construction and freezing."""
+
+import pytest
+import torch
+
+from sao.models.chat import ChatCodec
+from sao.models.critic import build_critic, critic_values, freeze_parameters
+from sao.models.tokenizer import build_char_tokenizer, load_tokenizer
+from sao.runtime.model_setup import demo_example
+
+
+def test_char_tokenizer_round_trips_spaces_newlines_and_tags(tiny_model_dir):
+    text = "What is 2 + 3?\n\t<calc>37*12</calc>  <result>444</result>\n"
+    for tok in (build_char_tokenizer(), load_tokenizer(tiny_model_dir)):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text
+        assert len(tok.encode("<calc>", add_special_tokens=False)) == 1  # tool tags are one token
+
+
+def test_observation_tokens_follow_the_chat_template(tiny_model_dir):
+    codec = ChatCodec(load_tokenizer(tiny_model_dir))
+    conv = [{"role": "user", "content": "2+3"}]
+    prompt = codec.prompt_ids(conv)
+    action = codec.action_ids("<calc>2+3</calc>")
+    obs = codec.observation_ids("<result>5</result>")
+    # appending tokens turn by turn gives exactly the template's rendering of the whole conversation
+    full = conv + [{"role": "assistant", "content": "<calc>2+3</calc>"}, {"role": "tool", "content": "<result>5</result>"}]
+    assert prompt + action + obs == codec.prompt_ids(full)
+    assert codec.decode(obs) == "\n<|im_start|>tool\n<result>5</result><|im_end|>\n<|im_start|>assistant\n"
+    assert codec.action_text(action) == "<calc>2+3</calc>"
+
+
+def test_demo_example_masks_only_assistant_tokens(tiny_model_dir):
+    codec = ChatCodec(load_tokenizer(tiny_model_dir))
+    msgs = [{"role": "user", "content": "7*8"}, {"role": "assistant", "content": "<calc>7*8</calc>"},
+            {"role": "tool", "content": "<result>56</result>"}, {"role": "assistant", "content": "<answer>56</answer>"}]
+    ids, mask = demo_example(codec, msgs)
+    acted = codec.decode([i for i, m in zip(ids, mask) if m])
+    assert acted == "<calc>7*8</calc><|im_end|><answer>56</answer><|im_end|>"
+    assert codec.decode(ids) == codec.render(msgs, add_generation_prompt=False).rstrip("\n")
+
+
+def test_critic_starts_at_zero_and_freezes_attention(tiny_model_dir):
+    critic = build_critic(tiny_model_dir)
+    ids = torch.tensor([[1, 5, 6, 7]])
+    v = critic_values(critic, ids, torch.ones_like(ids))
+    assert v.shape == (1, 4) and torch.all(v == 0)  # zero-initialized value head
+    n = freeze_parameters(critic, r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.")
+    assert n == 2 * 4  # 2 layers x 4 projections (no biases in Llama attention)
+    frozen = {name for name, p in critic.named_parameters() if not p.requires_grad}
+    assert all("self_attn" in name for name in frozen)
+    assert critic.score.weight.requires_grad and critic.model.layers[0].mlp.up_proj.weight.requires_grad
+
+
+def test_freeze_pattern_that_matches_nothing_is_an_error(tiny_model_dir):
+    with pytest.raises(ValueError, match="matches no parameter"):
+        freeze_parameters(build_critic(tiny_model_dir), r"attention\.query")
