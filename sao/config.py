@@ -41,7 +41,7 @@ class ModelConfig(Section):
 
 class SFTConfig(Section):
     steps: int = Field(1500, ge=0, description="SFT optimizer steps on synthetic solved episodes")
-    batch_size: int = Field(32, ge=1, description="episodes per SFT step")
+    batch_size: int = Field(64, ge=1, description="episodes per SFT step")
     lr: float = Field(5e-3, gt=0, description="SFT peak learning rate (cosine decay, short warm-up)")
     seed: int = Field(0, description="seed of the demonstrations and of the model's initialization")
 
@@ -97,9 +97,9 @@ class CriticConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(100, ge=1, description="actor optimizer steps (policy versions)")
+    steps: int = Field(300, ge=1, description="optimizer steps (critic warm-up steps included)")
     batch_size: int = Field(32, ge=1, description="finished trajectories per optimizer step (B)")
-    lr: float = Field(2e-4, gt=0, description="actor learning rate")
+    lr: float = Field(5e-4, gt=0, description="actor learning rate")
     grad_clip: float = Field(1.0, gt=0, description="actor gradient-norm clip")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay for actor and critic")
     seed: int = Field(0, description="seed of task order, sampling and training")
@@ -108,7 +108,7 @@ class TrainConfig(Section):
 class RuntimeConfig(Section):
     backend: Literal["local"] = Field("local", description="local: one machine (processes + shared memory)")
     mode: Literal["async", "sync"] = Field("async", description="async overlap, or sync: generate then train")
-    max_lag: int = Field(4, ge=0, description="staleness bound in policy versions (pacing + drop)")
+    max_lag: int = Field(2, ge=0, description="staleness bound in policy versions (pacing + drop)")
     sync_every: int = Field(1, ge=1, description="publish weights every this many actor steps")
     rollout_threads: int = Field(1, ge=1, description="torch intra-op threads of the rollout process")
     trainer_threads: int = Field(1, ge=1, description="torch intra-op threads of the trainer")
@@ -116,7 +116,7 @@ class RuntimeConfig(Section):
 
 
 class EvalConfig(Section):
-    every: int = Field(25, ge=0, description="evaluate every this many steps (0: only start and end)")
+    every: int = Field(50, ge=0, description="evaluate every this many steps (0: only start and end)")
     num_tasks: int = Field(200, ge=1, description="held-out tasks per evaluation")
     greedy: bool = Field(False, description="greedy decoding (default: sample at temperature 1, seeded)")
 

@@ -28,8 +28,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over action tokens (spec §5); nan when Var(R) is 0."""
+    """1 - Var(R - V) / Var(R) over action tokens (spec §5); nan when Var(R) is (numerically) 0,
+    e.g. a batch whose rewards are all equal."""
     var_r = masked_var(returns, mask)
-    if var_r.item() == 0.0:
+    if var_r.item() < 1e-8:
         return float("nan")
     return float(1.0 - masked_var(returns - values, mask) / var_r)

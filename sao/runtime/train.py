@@ -72,18 +72,33 @@ def generate_batch(engine, environment, codec, tasks, limits, n: int, params: Sa
     return asyncio.run(go())
 
 
-def parity_check(model, codec, environment, limits, tol: float, n: int = 16, seed: int = 0) -> float:
-    """Max |engine log-prob - trainer log-prob| over sampled action tokens; raises above `tol`."""
-    engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=n, seed=seed)
+def parity_check(trainer_model, engine_model, codec, environment, limits, tol: float, n: int = 16,
+                 seed: int = 0) -> float:
+    """Max |engine log-prob - trainer log-prob| over sampled action tokens; raises above `tol`.
+
+    The engine model is a separate instance that received the trainer's weights through the same
+    transport the rollout process uses, so the check covers weight transfer as well as numerics.
+    """
+    engine = TorchEngine(engine_model, codec.tokenizer.pad_token_id, max_batch=n, seed=seed)
     trajs = [t for t in generate_batch(engine, environment, codec, iter(environment.eval_tasks(n)), limits, n,
                                        SamplingParams()) if t.num_action_tokens]
     batch = collate(trajs, codec.tokenizer.pad_token_id)
     with torch.no_grad():
-        logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask)
+        logprobs = sequence_logprobs(trainer_model, batch.input_ids, batch.attention_mask)
     diff = float(((logprobs - batch.behavior_logprobs).abs() * batch.action_mask).max())
     if not diff <= tol:
-        raise ParityError(f"parity gate: engine and trainer log-probs differ by {diff:.2e} > runtime.parity_tol={tol:g}")
+        raise ParityError(f"parity gate: engine and trainer log-probs differ by {diff:.2e} "
+                          f"> runtime.parity_tol={tol:g}; refusing to train")
     return diff
+
+
+def engine_copy(trainer: Trainer):
+    """A fresh engine-side model loaded from disk, then given the trainer's weights via shared memory."""
+    model = load_model(trainer.model_path)
+    weights = SharedWeights.for_model(trainer.actor)
+    weights.publish(list(trainer.actor.parameters()), 0)
+    weights.load_into([p.data for p in model.parameters()])
+    return model
 
 
 def rollout_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
@@ -202,6 +217,7 @@ def run_async(trainer: Trainer) -> None:
                 "async/rollout_idle_frac": 1.0 - ws.get("busy_s", 0.0) / max(ws.get("wall_s", 1.0), 1e-9),
                 "async/engine_version": float(ws.get("version", 0)),
                 "perf/tokens_per_s": ws.get("tokens", 0) / max(ws.get("wall_s", 1.0), 1e-9),
+                "perf/engine_tokens_per_s": ws.get("tokens", 0) / max(ws.get("busy_s", 1.0), 1e-9),
                 "perf/weight_sync_ms": sync_ms,
                 "perf/wall_s": wall,
             }
@@ -213,7 +229,8 @@ def run_async(trainer: Trainer) -> None:
 
 
 def run_sync(trainer: Trainer) -> None:
-    """Generate B episodes with the current weights, then train on them; no overlap."""
+    """Generate B episodes with the current weights, then train on them; no overlap. Each phase gets
+    the thread count that suits it (decoding is overhead-bound: 1 thread; training uses both cores)."""
     cfg, learner = trainer.cfg, trainer.learner
     engine = TorchEngine(trainer.actor, trainer.codec.tokenizer.pad_token_id, max_batch=cfg.rollout.concurrency,
                          seed=cfg.train.seed + 1)
@@ -230,7 +247,7 @@ def run_sync(trainer: Trainer) -> None:
             _count_dropped(trainer, [t for t in got if t.status not in TRAINABLE or not t.num_action_tokens])
             batch += [t for t in got if t.status in TRAINABLE and t.num_action_tokens]
         gen_s = time.perf_counter() - t0
-        torch.set_num_threads(cfg.runtime.trainer_threads)
+        torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)  # nothing else runs now
         trainer.actor.train()
         t1 = time.perf_counter()
         metrics = learner.step(collate(batch, trainer.codec.tokenizer.pad_token_id))
@@ -255,8 +272,8 @@ def train(cfg: Config, progress: RunProgress) -> RunResult:
     trainer = Trainer(cfg, progress)  # step 1
     torch.set_num_threads(cfg.runtime.trainer_threads)
     progress.log(f"run directory: {trainer.run.path}")
-    diff = parity_check(trainer.actor, trainer.codec, trainer.environment, trainer.limits,  # step 2
-                        cfg.runtime.parity_tol, seed=cfg.train.seed)
+    diff = parity_check(trainer.actor, engine_copy(trainer), trainer.codec, trainer.environment,  # step 2
+                        trainer.limits, cfg.runtime.parity_tol, seed=cfg.train.seed)
     trainer.run.log(0, {"parity/max_abs_diff": diff})
     before = trainer.evaluate(0)  # step 3
     progress.start_training(cfg.train.steps)

@@ -1,0 +1,85 @@
+"""Smoke tests that run the real `sao` entry points for a few steps and check what they leave."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+TINY = [
+    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
+    "sft.steps=20", "sft.batch_size=8", "train.steps=4", "train.batch_size=4", "critic.warmup_steps=1",
+    "rollout.concurrency=8", "rollout.max_turns=2", "rollout.max_action_tokens=12", "runtime.max_lag=1",
+    "eval.num_tasks=8", "eval.every=2", "output.trajectories_every=1", "output.save_every=2", "output.root=runs",
+    "model.cache_dir=cache",
+]
+
+
+def _sao(*args, cwd, timeout=300):
+    return subprocess.run([sys.executable, "-m", "sao.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+REQUIRED = [
+    "reward/mean", "dis/masked_low_frac", "dis/masked_high_frac", "critic/explained_variance", "critic/value_loss",
+    "actor/grad_norm", "critic/grad_norm", "async/lag_mean", "async/lag_max", "async/queue_age_s",
+    "async/trainer_idle_frac", "async/rollout_idle_frac", "perf/tokens_per_s", "perf/weight_sync_ms",
+]
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("smoke")
+    proc = _sao("train", *TINY, "output.name=smoke", "--quiet", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return cwd, cwd / "runs" / "smoke", proc
+
+
+def test_train_writes_a_complete_run_directory(async_run):
+    cwd, run, proc = async_run
+    assert "held-out accuracy:" in proc.stdout and str(run.relative_to(cwd)) in proc.stdout
+    rows = _metrics(run)
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    keys = set().union(*steps)
+    assert not [k for k in REQUIRED if k not in keys]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 4]
+    assert any("parity/max_abs_diff" in r and r["parity/max_abs_diff"] <= 1e-4 for r in rows)
+    assert all(r["async/lag_max"] <= 1 for r in steps)  # runtime.max_lag=1
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    for part in ("actor", "critic"):
+        assert (run / "checkpoints" / "final" / part / "config.json").is_file()
+        assert (run / "checkpoints" / "final" / part / "model.safetensors").is_file()
+    assert (run / "checkpoints" / "step_000002" / "actor" / "model.safetensors").is_file()
+    text = (run / "trajectories" / "step_000001.txt").read_text()
+    assert "[PROMPT]" in text and "[ACTION v0]" in text
+    assert (run / "trajectories" / "step_000001.jsonl").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0.0 <= summary["accuracy_after"] <= 1.0 and summary["steps"] == 4
+    assert "train:\n  steps: 4" in (run / "config.yaml").read_text()
+
+
+def test_eval_and_report_on_the_run(async_run):
+    cwd, run, _ = async_run
+    proc = _sao("eval", str(run), "eval.num_tasks=8", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["n"] == 8 and 0.0 <= out["accuracy"] <= 1.0
+    proc = _sao("report", str(run), cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in ("reward", "eval_accuracy", "dis_masked", "value_loss", "lag", "idle"):
+        png = run / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sync_mode_and_cached_sft_model(async_run):
+    cwd, _, _ = async_run
+    proc = _sao("train", *TINY, "train.steps=2", "eval.every=0", "output.name=sync", "--sync", "--quiet", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _metrics(cwd / "runs" / "sync")
+    assert [r["step"] for r in rows if "perf/gen_s" in r] == [1, 2]
+    assert len(list((cwd / "cache").iterdir())) == 1  # the SFT model was reused, not rebuilt
