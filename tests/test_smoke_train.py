@@ -83,3 +83,21 @@ def test_sync_mode_and_cached_sft_model(async_run):
     rows = _metrics(cwd / "runs" / "sync")
     assert [r["step"] for r in rows if "perf/gen_s" in r] == [1, 2]
     assert len(list((cwd / "cache").iterdir())) == 1  # the SFT model was reused, not rebuilt
+
+
+def test_any_local_hf_model_folder_works_in_place_of_the_builtin(tmp_path):
+    """model.path: a Qwen2-architecture folder from disk (no SFT, nothing downloaded)."""
+    from sao.models.tiny import build_tiny_model
+    from sao.models.tokenizer import load_tokenizer
+
+    model_dir = build_tiny_model(tmp_path / "qwen2-model", arch="qwen2", hidden_size=32, num_layers=1, num_heads=2,
+                                 intermediate_size=64)
+    tok = load_tokenizer(model_dir)  # AutoTokenizer would drop spaces/newlines of this vocabulary
+    assert tok.decode(tok.encode("a b\nc", add_special_tokens=False)) == "a b\nc"
+    args = [a for a in TINY if not a.startswith(("model.", "sft."))]
+    proc = _sao("train", *args, f"model.path={model_dir}", "train.steps=2", "eval.every=0", "output.name=q",
+                "--quiet", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (tmp_path / ".sao_cache").exists()  # no built-in model was built
+    cfg = (tmp_path / "runs" / "q" / "checkpoints" / "final" / "actor" / "config.json").read_text()
+    assert '"model_type": "qwen2"' in cfg

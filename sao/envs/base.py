@@ -36,10 +36,10 @@ class StepResult:
 
 @dataclass
 class EpisodeContext:
-    """What an episode may know about the run: the policy version when it started."""
+    """What an episode may know about the run when it starts."""
 
-    policy_version: int = 0
-    trainer_version: int = 0
+    policy_version: int = 0  # version of the weights the engine holds
+    trainer_version: int = 0  # optimizer steps the trainer has taken (critic warm-up included)
 
 
 @runtime_checkable

@@ -21,9 +21,9 @@ class EvalResult:
     trajectories: list[Trajectory] = field(default_factory=list)
 
 
-async def _evaluate(engine, environment, codec, tasks, limits, params, version) -> list[Trajectory]:
+async def _evaluate(engine, environment, codec, tasks, limits, params, version, step) -> list[Trajectory]:
     async def one(task: Task) -> Trajectory:
-        env = environment.new_episode(EpisodeContext(policy_version=version, trainer_version=version))
+        env = environment.new_episode(EpisodeContext(policy_version=version, trainer_version=step))
         return await run_episode(env, task, engine, codec, params, limits)
 
     try:
@@ -33,11 +33,14 @@ async def _evaluate(engine, environment, codec, tasks, limits, params, version) 
 
 
 def evaluate(model, codec: ChatCodec, environment, tasks: list[Task], limits: EpisodeLimits,
-             greedy: bool = True, seed: int = 0, version: int = 0, max_batch: int = 128) -> EvalResult:
+             greedy: bool = True, seed: int = 0, version: int = 0, max_batch: int = 128,
+             trainer_step: int = 0) -> EvalResult:
+    """Run every task once with a pinned policy version; `trainer_step` is what episodes see as the
+    run's progress (environments whose reward changes over time use it)."""
     params = SamplingParams(temperature=0.0 if greedy else 1.0, seed=seed)
     engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=max_batch, seed=seed, version=version)
     was_training = model.training
-    trajs = asyncio.run(_evaluate(engine, environment, codec, tasks, limits, params, version))
+    trajs = asyncio.run(_evaluate(engine, environment, codec, tasks, limits, params, version, trainer_step))
     model.train(was_training)
     statuses: dict[str, int] = {}
     for t in trajs:

@@ -44,7 +44,7 @@ def quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def rollout_process_main(spec: WorkerSpec, weights, counters, out_q, stop) -> None:
+def rollout_process_main(spec: WorkerSpec, weights, counters, trainer_step, out_q, stop) -> None:
     """Entry point of the rollout process (spawned once; heavy imports happen here, once)."""
     torch.set_num_threads(spec.threads)
     quiet_transformers()
@@ -78,7 +78,7 @@ def rollout_process_main(spec: WorkerSpec, weights, counters, out_q, stop) -> No
     params = SamplingParams(temperature=1.0)
     asyncio.run(run_rollout_worker(
         engine, environment, codec, params, spec.limits, environment.train_tasks(), pacer.admit, emit,
-        spec.concurrency, stop.is_set, trainer_version=lambda: consumed.value,
+        spec.concurrency, stop.is_set, trainer_version=lambda: trainer_step.value,
     ))
     out_q.put(("stats", {**engine.stats, "wall_s": time.perf_counter() - t_start, "version": engine.version}))
     out_q.put(("done", None))
@@ -89,12 +89,13 @@ class RolloutProcess:
 
     def __init__(self, spec: WorkerSpec, weights, ctx):
         self.ctx = ctx
-        self.counters = tuple(ctx.Value("q", 0, lock=False) for _ in range(3))
+        self.counters = tuple(ctx.Value("q", 0, lock=False) for _ in range(3))  # pacing: started, consumed, refunded
+        self.trainer_step = ctx.Value("q", 0, lock=False)  # optimizer steps done; episodes see it in their context
         self.queue = ctx.Queue()
         self.stop_event = ctx.Event()
         self.stats: dict = {}
         self.proc = ctx.Process(target=rollout_process_main, daemon=True,
-                                args=(spec, weights, self.counters, self.queue, self.stop_event))
+                                args=(spec, weights, self.counters, self.trainer_step, self.queue, self.stop_event))
 
     def start(self) -> None:
         self.proc.start()

@@ -57,14 +57,15 @@ def limits_of(cfg: Config) -> EpisodeLimits:
     return EpisodeLimits(r.max_turns, r.max_action_tokens, r.max_episode_tokens, r.step_timeout_s)
 
 
-def generate_batch(engine, environment, codec, tasks, limits, n: int, params: SamplingParams) -> list[Trajectory]:
+def generate_batch(engine, environment, codec, tasks, limits, n: int, params: SamplingParams,
+                   trainer_step: int = 0) -> list[Trajectory]:
     """Run n episodes concurrently on one engine (sync mode and the parity gate)."""
     from sao.envs.base import EpisodeContext
 
     async def go():
         try:
             return await asyncio.gather(*(
-                run_episode(environment.new_episode(EpisodeContext(engine.version, engine.version)),
+                run_episode(environment.new_episode(EpisodeContext(engine.version, trainer_step)),
                             next(tasks), engine, codec, params, limits) for _ in range(n)))
         finally:
             await engine.close()
@@ -140,7 +141,8 @@ class Trainer:
     def evaluate(self, step: int) -> float:
         torch.set_num_threads(max(self.cfg.runtime.trainer_threads, self.cfg.runtime.rollout_threads))
         res = evaluate(self.actor, self.codec, self.environment, self.eval_tasks, self.limits,
-                       greedy=self.cfg.eval.greedy, seed=self.cfg.train.seed, version=self.learner.actor_version)
+                       greedy=self.cfg.eval.greedy, seed=self.cfg.train.seed, version=self.learner.actor_version,
+                       trainer_step=step)
         torch.set_num_threads(self.cfg.runtime.trainer_threads)
         row = {"eval/accuracy": res.accuracy, **{f"eval/{k}": v for k, v in res.metrics.items()}}
         self.run.log(step, row)
@@ -201,6 +203,7 @@ def run_async(trainer: Trainer) -> None:
             wait_s = time.perf_counter() - t_wait
             trainer.totals["wait_s"] += wait_s
             metrics = learner.step(collate(batch, trainer.codec.tokenizer.pad_token_id))
+            worker.trainer_step.value = step
             unpublished += 1
             if learner.actor_version == version:  # critic warm-up: the policy did not change
                 pacer.mark_consumed(unpublished)
@@ -243,7 +246,7 @@ def run_sync(trainer: Trainer) -> None:
         batch: list[Trajectory] = []
         while len(batch) < cfg.train.batch_size:
             got = generate_batch(engine, trainer.environment, trainer.codec, tasks, trainer.limits,
-                                 cfg.train.batch_size - len(batch), SamplingParams())
+                                 cfg.train.batch_size - len(batch), SamplingParams(), trainer_step=step - 1)
             _count_dropped(trainer, [t for t in got if t.status not in TRAINABLE or not t.num_action_tokens])
             batch += [t for t in got if t.status in TRAINABLE and t.num_action_tokens]
         gen_s = time.perf_counter() - t0
