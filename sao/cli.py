@@ -3,6 +3,7 @@
     sao train [CONFIG.yaml] [key=value ...] [--sync] [--quiet]
     sao sft   [CONFIG.yaml] [key=value ...]          build + SFT-warm-start the built-in model alone
     sao eval  RUN_OR_MODEL [key=value ...]            held-out accuracy of a run's final policy or a model
+    sao pretrain-critic [CONFIG.yaml] [key=value ...] --out DIR   value pretraining (cold start)
     sao report RUN                                    PNG plots of a run's curves into RUN/plots/
 
 Bad input (unknown key, bad value, missing file) prints one line naming it and exits with code 2,
@@ -104,6 +105,21 @@ def cmd_eval(ns) -> int:
     return 0
 
 
+def cmd_pretrain_critic(ns) -> int:
+    from sao.runtime.local import quiet_transformers
+    from sao.runtime.preflight import preflight
+
+    cfg = _config(ns.args)
+    preflight(cfg)
+    quiet_transformers()
+    from sao.runtime.pretrain_critic import pretrain_critic
+    from sao.runtime.progress import RunProgress
+
+    result = pretrain_critic(cfg, ns.steps, Path(ns.out), RunProgress(enabled=not ns.quiet))
+    print(json.dumps(result))
+    return 0
+
+
 def cmd_report(ns) -> int:
     from sao.runtime.report import write_report
 
@@ -130,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="run directory or HF model folder")
     p.add_argument("args", nargs="*")
     p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("pretrain-critic", help="fit the critic on rollouts of the starting policy; save it")
+    p.add_argument("args", nargs="*")
+    p.add_argument("--steps", type=int, default=50, help="critic optimizer steps (one fresh batch each)")
+    p.add_argument("--out", required=True, help="folder to save the critic to (then: critic.path=FOLDER)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(fn=cmd_pretrain_critic)
     p = sub.add_parser("report", help="write PNG plots of a run's metrics into RUN/plots/")
     p.add_argument("run")
     p.set_defaults(fn=cmd_report)
@@ -137,7 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, rest = parser.parse_known_args(argv)
+    # flags may come before or after the key=value overrides (argparse stops the positional list at a flag)
+    if any("=" not in r or r.startswith("-") for r in rest) or (rest and not hasattr(ns, "args")):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:
+        ns.args = ns.args + rest
     try:
         return ns.fn(ns)
     except ConfigError as exc:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install sao with its test extras.
+# Create .venv and install sao with the extras given as $1 (default: test), e.g. `test,tasks`.
 #
 # torch comes first and only when no torch is importable: `torch==2.13.0` takes the CPU wheel that
 # lies on the project's CPU machines (seconds); elsewhere it is the regular PyPI build (CUDA on
@@ -14,5 +14,5 @@ python -m pip install -q --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "torch==${SAO_TORCH_VERSION:-2.13.0}"
 fi
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[${1:-test}]"
 python -c "import sao, torch; print(f'sao installed in .venv (torch {torch.__version__})')"

@@ -67,3 +67,13 @@ def test_existing_run_directory_is_never_overwritten(tmp_path):
     proc = _sao("train", "output.root=runs", "output.name=mine", cwd=tmp_path)
     assert proc.returncode == 2 and "exists already" in proc.stderr
     assert (run / "metrics.jsonl").read_text() == "precious\n"
+
+
+def test_flags_may_follow_overrides():
+    from sao.cli import build_parser
+
+    ns, rest = build_parser().parse_known_args(["train", "a.b=1", "--quiet", "c.d=2"])
+    assert ns.args == ["a.b=1"] and rest == ["c.d=2"] and ns.quiet
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--quiet", "algo.bad=1"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "algo.bad: unknown key" in proc.stderr

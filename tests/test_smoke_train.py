@@ -101,3 +101,14 @@ def test_any_local_hf_model_folder_works_in_place_of_the_builtin(tmp_path):
     assert not (tmp_path / ".sao_cache").exists()  # no built-in model was built
     cfg = (tmp_path / "runs" / "q" / "checkpoints" / "final" / "actor" / "config.json").read_text()
     assert '"model_type": "qwen2"' in cfg
+
+
+def test_pretrain_critic_then_train_from_it(async_run):
+    cwd, _, _ = async_run
+    proc = _sao("pretrain-critic", *TINY, "--steps", "3", "--out", "critics/c", "--quiet", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 3 and (cwd / "critics" / "c" / "model.safetensors").is_file()
+    proc = _sao("train", *TINY, "train.steps=1", "eval.every=0", "critic.path=critics/c", "output.name=pre",
+                "--quiet", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -104,6 +104,7 @@ def make_environment(name: str, options: dict[str, Any], seed: int):
         opts = options_model(**options)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise ValueError(f"env.options.{loc}: {err['msg']}") from None
+        where = ".".join(["env.options", *(str(p) for p in err["loc"])])
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{where}: {msg}") from None
     return cls(opts, seed=seed)

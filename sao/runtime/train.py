@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from dataclasses import dataclass, field
@@ -81,8 +82,9 @@ def parity_check(trainer_model, engine_model, codec, environment, limits, tol: f
     transport the rollout process uses, so the check covers weight transfer as well as numerics.
     """
     engine = TorchEngine(engine_model, codec.tokenizer.pad_token_id, max_batch=n, seed=seed)
-    trajs = [t for t in generate_batch(engine, environment, codec, iter(environment.eval_tasks(n)), limits, n,
-                                       SamplingParams()) if t.num_action_tokens]
+    tasks = itertools.cycle(environment.eval_tasks(n))  # a small held-out set may hold fewer than n
+    trajs = [t for t in generate_batch(engine, environment, codec, tasks, limits, n, SamplingParams())
+             if t.num_action_tokens]
     batch = collate(trajs, codec.tokenizer.pad_token_id)
     with torch.no_grad():
         logprobs = sequence_logprobs(trainer_model, batch.input_ids, batch.attention_mask)

@@ -1,0 +1,1 @@
+"""Examples: user-defined environments and configs (see README.md). A package so `module:Class` paths resolve."""

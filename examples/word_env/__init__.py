@@ -1,0 +1,1 @@
+"""`word`: an example of a user-defined environment (see word_env.py)."""

@@ -1,0 +1,56 @@
+"""`sao pretrain-critic`: sample from the starting policy, fit the critic, save it for reuse.
+
+    sao pretrain-critic [CONFIG.yaml] [key=value ...] --steps 50 --out critics/calc
+    sao train critic.path=critics/calc        # start RL from the pretrained critic
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sao.config import Config, ConfigError
+from sao.engine.torch_engine import TorchEngine
+from sao.models.chat import ChatCodec
+from sao.models.critic import build_critic, freeze_parameters
+from sao.models.tiny import load_model
+from sao.models.tokenizer import load_tokenizer
+from sao.runtime.model_setup import prepare_base_model
+from sao.runtime.preflight import preflight
+from sao.runtime.train import generate_batch, limits_of
+from sao.trainer.batch import collate
+from sao.trainer.critic_pretrain import fit_critic
+from sao.types import TRAINABLE, SamplingParams
+
+
+def pretrain_critic(cfg: Config, steps: int, out: Path, progress=None) -> dict:
+    if out.exists():
+        raise ConfigError(f"--out: {str(out)!r} exists already; choose another folder")
+    environment = preflight(cfg)
+    model_path, _ = prepare_base_model(cfg, environment, on_step=progress.sft_callback(cfg.sft.steps) if progress else None)
+    codec = ChatCodec(load_tokenizer(model_path))
+    actor = load_model(model_path)
+    critic = build_critic(model_path)
+    if cfg.critic.freeze_attention:
+        freeze_parameters(critic, cfg.critic.freeze_pattern)
+    engine = TorchEngine(actor, codec.tokenizer.pad_token_id, max_batch=cfg.rollout.concurrency, seed=cfg.train.seed)
+    tasks, limits = environment.train_tasks(), limits_of(cfg)
+
+    def next_batch():
+        torch.set_num_threads(cfg.runtime.rollout_threads)
+        trajs = generate_batch(engine, environment, codec, tasks, limits, cfg.train.batch_size, SamplingParams())
+        torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)
+        return collate([t for t in trajs if t.status in TRAINABLE and t.num_action_tokens], codec.tokenizer.pad_token_id)
+
+    def on_step(step: int, m: dict) -> None:
+        if progress is not None:
+            progress.log(f"critic step {step + 1}/{steps}: value loss {m['critic/value_loss']:.4f}  "
+                         f"explained variance {m['critic/explained_variance']:.3f}")
+
+    history = fit_critic(critic, next_batch, steps, cfg.critic.lr, cfg.critic.grad_clip, on_step)
+    tmp = out.with_name(out.name + ".partial")
+    critic.save_pretrained(tmp)
+    codec.tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    return {"path": str(out), "steps": steps, "first": history[0] if history else {}, "last": history[-1] if history else {}}

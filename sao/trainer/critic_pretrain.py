@@ -1,0 +1,42 @@
+"""Value pretraining (cold start, spec §5): fit the critic to Monte-Carlo returns of trajectories
+sampled from the initial policy, before RL starts, so the first actor steps see useful values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from sao.algo.core import explained_variance
+from sao.algo.gae import skip_observation_gae
+from sao.algo.losses import value_loss
+from sao.models.critic import critic_values
+from sao.trainer.batch import Batch
+
+
+def monte_carlo_returns(batch: Batch, gamma: float = 1.0) -> torch.Tensor:
+    """lambda = 1 returns (the values cancel out), (B, T)."""
+    _, returns = skip_observation_gae(batch.rewards, torch.zeros_like(batch.rewards), batch.action_mask, gamma, 1.0)
+    return returns
+
+
+def fit_critic(critic, next_batch: Callable[[], Batch], steps: int, lr: float, grad_clip: float,
+               on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """`steps` optimizer steps of token-mean MSE on fresh batches; returns per-step metrics."""
+    critic.train()
+    opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.99))
+    history = []
+    for step in range(steps):
+        batch = next_batch()
+        returns = monte_carlo_returns(batch)
+        values = critic_values(critic, batch.input_ids, batch.attention_mask)
+        loss, metrics = value_loss(values, returns, batch.action_mask)
+        metrics["critic/explained_variance"] = explained_variance(values.detach(), returns, batch.action_mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        metrics["critic/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(critic.parameters(), grad_clip))
+        opt.step()
+        history.append(metrics)
+        if on_step is not None:
+            on_step(step, metrics)
+    return history
