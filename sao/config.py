@@ -80,6 +80,9 @@ class AlgoConfig(Section):
     gamma: float = Field(1.0, ge=0, le=1, description="discount")
     lam_alpha: float = Field(1.5, gt=0, description="length-adaptive lambda_policy = 1 - 1/(alpha*l)")
     whiten_advantages: bool = Field(True, description="batch-whiten actor advantages over action tokens")
+    entropy_coef: float = Field(0.0, ge=0, description=(
+        "entropy bonus on action tokens; the paper uses none (0). Opt-in for settings where a tiny policy "
+        "saturates and can no longer explore, e.g. the style_shift online benchmark"))
     group_size: int = Field(8, ge=2, description="rollouts per prompt for group baselines (grpo)")
     running_mean_window: int = Field(8, ge=1, description="rewards averaged by the running-mean baseline")
     running_mean_per_prompt: bool = Field(True, description="running mean per prompt (else one global window)")

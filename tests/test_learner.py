@@ -76,3 +76,24 @@ def test_k1_ablation_and_running_mean(tiny, tiny_model_dir):
     rm = Learner(model, None, get_algorithm("running_mean"), AlgoConfig(), CriticConfig(), TrainConfig())
     m = rm.step(_batch(codec, model))
     assert rm.actor_version == 1 and "critic/version" not in m
+
+
+def test_entropy_bonus_is_off_by_default_and_raises_entropy_when_on(tiny, tiny_model_dir):
+    from sao.models.actor import token_entropy
+    from sao.models.tiny import load_model
+
+    model, codec = tiny
+    batch = _batch(codec, model)
+
+    def entropy_after(coef):
+        m = load_model(tiny_model_dir)
+        learner = Learner(m, None, get_algorithm("running_mean"), AlgoConfig(entropy_coef=coef), CriticConfig(),
+                          TrainConfig(lr=1e-2))
+        for _ in range(3):
+            learner.step(batch)
+        with torch.no_grad():
+            ent = token_entropy(m(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits)
+        return float((ent * batch.action_mask).sum() / batch.action_mask.sum())
+
+    assert AlgoConfig().entropy_coef == 0.0
+    assert entropy_after(1.0) > entropy_after(0.0)

@@ -17,7 +17,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) -> (B, T) entropy of the distribution that produced token t (0 at t=0)."""
+    """(B, T, V) -> (B, T) entropy of the distribution that produced token t (0 at t=0); differentiable."""
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     ent = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(ent, (1, 0))
