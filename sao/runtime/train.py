@@ -129,7 +129,7 @@ class Trainer:
         self.environment = preflight(cfg)  # every check that can fail on bad input, before anything is written
         self.run = RunDir.create(cfg)
         self.limits = limits_of(cfg)
-        self.model_path, built = prepare_base_model(
+        self.model_path, _ = prepare_base_model(
             cfg, self.environment, on_step=progress.sft_callback(cfg.sft.steps))
         self.codec = ChatCodec(load_tokenizer(self.model_path))
         self.actor = load_model(self.model_path)
@@ -138,7 +138,7 @@ class Trainer:
             self.critic = load_critic(cfg.critic.path) if cfg.critic.path else build_critic(self.model_path)
         self.learner = Learner(self.actor, self.critic, self.algo, cfg.algo, cfg.critic, cfg.train)
         self.eval_tasks = self.environment.eval_tasks(cfg.eval.num_tasks)
-        self.totals = {"dropped_stale": 0, "failed": 0, "trained": 0, "wait_s": 0.0}
+        self.totals = {"dropped_stale": 0, "failed": 0, "wait_s": 0.0}
 
     def evaluate(self, step: int) -> float:
         torch.set_num_threads(max(self.cfg.runtime.trainer_threads, self.cfg.runtime.rollout_threads))
@@ -173,11 +173,6 @@ class Trainer:
                                          "critic_version": self.learner.critic_version})
 
 
-def _count_dropped(trainer: Trainer, dropped: list[Trajectory]) -> None:
-    for t in dropped:
-        trainer.totals["failed" if t.status not in TRAINABLE or not t.num_action_tokens else "dropped_stale"] += 1
-
-
 def run_async(trainer: Trainer) -> None:
     cfg, learner = trainer.cfg, trainer.learner
     ctx = torch.multiprocessing.get_context("spawn")
@@ -197,13 +192,13 @@ def run_async(trainer: Trainer) -> None:
             while True:
                 batch, dropped = queue.get_batch(cfg.train.batch_size, version, cfg.runtime.max_lag)
                 pacer.refund(len(dropped))
-                _count_dropped(trainer, dropped)
                 if batch:
                     break
                 for traj in worker.receive(timeout=1.0):
                     queue.put(traj)
             wait_s = time.perf_counter() - t_wait
-            trainer.totals["wait_s"] += wait_s
+            trainer.totals.update(wait_s=trainer.totals["wait_s"] + wait_s, dropped_stale=queue.dropped_stale,
+                                  failed=sum(queue.failed.values()))
             metrics = learner.step(collate(batch, trainer.codec.tokenizer.pad_token_id))
             worker.trainer_step.value = step
             unpublished += 1
@@ -249,8 +244,9 @@ def run_sync(trainer: Trainer) -> None:
         while len(batch) < cfg.train.batch_size:
             got = generate_batch(engine, trainer.environment, trainer.codec, tasks, trainer.limits,
                                  cfg.train.batch_size - len(batch), SamplingParams(), trainer_step=step - 1)
-            _count_dropped(trainer, [t for t in got if t.status not in TRAINABLE or not t.num_action_tokens])
-            batch += [t for t in got if t.status in TRAINABLE and t.num_action_tokens]
+            usable = [t for t in got if t.status in TRAINABLE and t.num_action_tokens]
+            trainer.totals["failed"] += len(got) - len(usable)
+            batch += usable
         gen_s = time.perf_counter() - t0
         torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)  # nothing else runs now
         trainer.actor.train()
