@@ -1,11 +1,12 @@
 """sao.envs.sandbox: normal runs, then escape attempts, each contained with the right status.
 
 Every test that runs code is parametrized over the mechanisms that work here (bwrap, and the unshare
-fallback that a fresh CI machine uses), and checks afterwards that no process of a sandbox uid is left.
+fallback that a fresh CI machine uses); afterwards each test checks that no process of its runs is left.
 Tests with `guard=False` check the OS layers alone, without the in-process audit hook.
 """
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -24,32 +25,42 @@ PROJECT = Path(__file__).resolve().parents[1]
 WORKING = [m for m in MECHANISMS if sandbox.mechanism_works(m)]
 FAST = SandboxLimits(cpu_s=1, wall_s=4, memory_mb=256, max_procs=8, max_file_mb=4)
 ADD = "def add(a, b):\n    return a + b\n"
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root (sessions and CI run as root)")
 mechanisms = pytest.mark.parametrize("mech", WORKING)
 
 
-def _sandbox_pids() -> list[int]:
-    """Processes whose real uid is a sandbox uid (read from status: non-dumpable /proc entries belong to root)."""
+def _processes_of(uids: set[int]) -> list[int]:
+    """Pids whose real uid is in `uids` (read from status: /proc entries of non-dumpable processes belong to root)."""
     pids = []
     for entry in os.listdir("/proc"):
         try:
             uid_line = next(x for x in Path(f"/proc/{entry}/status").read_text().splitlines() if x.startswith("Uid:"))
         except (OSError, StopIteration):
             continue
-        if sandbox.UID_BASE <= int(uid_line.split()[1]) < sandbox.UID_BASE + sandbox.UID_SPAN:
+        if int(uid_line.split()[1]) in uids:
             pids.append(int(entry))
     return pids
 
 
 @pytest.fixture(autouse=True)
-def nothing_left_behind():
-    before = set(Path("/tmp").glob("sao-sandbox-*"))
+def nothing_left_behind(monkeypatch):
+    """After each test, no process of its runs' uids is left and their temporary directories are gone.
+
+    Only this test's runs count: other sandboxes may run on the machine at the same time.
+    """
+    uids, dirs, init = set(), [], sandbox._Run.__init__
+
+    def recording_init(run, *args, **kwargs):
+        init(run, *args, **kwargs)
+        uids.add(json.loads(run.payload)["uid"])
+        dirs.append(run.dir)
+
+    monkeypatch.setattr(sandbox._Run, "__init__", recording_init)
     yield
     deadline = time.monotonic() + 5  # the kernel tears a PID namespace down asynchronously
-    while _sandbox_pids() and time.monotonic() < deadline:
+    while _processes_of(uids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _sandbox_pids() == [], "a sandboxed process outlived its run"
-    assert set(Path("/tmp").glob("sao-sandbox-*")) <= before, "a run left its temporary directory"
+    assert _processes_of(uids) == [], "a sandboxed process outlived its run"
+    assert not [d for d in dirs if os.path.exists(d)], "a run left its temporary directory"
 
 
 def test_a_mechanism_works_as_root_and_none_refuses(monkeypatch):
@@ -63,7 +74,7 @@ def test_a_mechanism_works_as_root_and_none_refuses(monkeypatch):
         run_tests(ADD, ["assert add(1, 2) == 3"], mechanism="docker")
 
 
-@needs_root
+@pytest.mark.skipif(not WORKING, reason="no mechanism works here (see the test above)")
 def test_the_environment_variable_forces_a_mechanism(monkeypatch):
     monkeypatch.setenv(sandbox.MECHANISM_ENV, WORKING[-1])
     assert run_tests(ADD, "assert add(1, 2) == 3", FAST).mechanism.startswith(WORKING[-1] + "+uid+rlimits")
@@ -126,9 +137,12 @@ def test_common_stdlib_works_under_the_guard(mech):
         [t.start() for t in threads]
         [t.join() for t in threads]
         open('scratch.txt', 'w').write('ok')
+        def depth(n):
+            return 0 if n == 0 else 1 + depth(n - 1)
         """)
     tests = ["assert P(1, 2).y == 2", "assert asyncio.run(triple(2)) == 6", "assert sorted(out) == [0, 1, 2]",
-             "assert open('/tmp/scratch.txt').read() == 'ok'"]  # /tmp is the sandbox's own directory
+             "assert open('/tmp/scratch.txt').read() == 'ok'",  # /tmp is the sandbox's own directory
+             "import sys\nsys.setrecursionlimit(30000)\nassert depth(20000) == 20000"]
     r = run_tests(sol, tests, FAST, mechanism=mech)
     assert r.status == "passed", r
     assert "logged" in r.output
@@ -210,7 +224,7 @@ def test_a_fork_bomb_is_capped_by_the_os_layers_and_leaves_no_process(mech):
 @pytest.mark.parametrize("guard", [True, False])
 def test_writes_outside_the_sandbox_do_not_land(mech, guard, tmp_path):
     name = f"sao-escape-{uuid.uuid4().hex}"
-    targets = [Path.home() / name, Path("/home") / name, tmp_path / name, PROJECT / name, Path("/tmp") / name]
+    targets = [Path("/root") / name, Path.home() / name, tmp_path / name, PROJECT / name, Path("/tmp") / name]
     sol = dedent(f"""
         results = {{}}
         for path in {[str(t) for t in targets]!r}:
@@ -225,7 +239,7 @@ def test_writes_outside_the_sandbox_do_not_land(mech, guard, tmp_path):
     assert r.status == "passed", r
     assert not [t for t in targets if t.exists()]
     assert f"'/tmp/{name}': 'written'" in r.output  # /tmp inside is the sandbox's own directory
-    assert f"'{Path.home() / name}': 'PermissionError'" in r.output  # a bare read-only path to Python
+    assert r.output.count("'written'") == 1  # every other write failed inside
 
 
 @mechanisms
