@@ -77,3 +77,17 @@ def test_flags_may_follow_overrides():
     proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--quiet", "algo.bad=1"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "algo.bad: unknown key" in proc.stderr
+
+
+def test_environment_rollout_defaults_apply_only_where_the_user_is_silent():
+    from sao.runtime.preflight import preflight
+
+    cfg = load_config(None, ["env.name=code"])
+    preflight(cfg)
+    assert cfg.rollout.max_action_tokens == 72 and cfg.rollout.max_turns == 3
+    cfg = load_config(None, ["env.name=code", "rollout.max_action_tokens=40"])
+    preflight(cfg)
+    assert cfg.rollout.max_action_tokens == 40 and cfg.rollout.max_turns == 3
+    cfg = load_config(None, [])
+    preflight(cfg)
+    assert cfg.rollout.max_action_tokens == 24  # calc recommends nothing

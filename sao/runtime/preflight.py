@@ -9,6 +9,14 @@ from sao.config import Config, ConfigError
 from sao.envs import make_environment
 
 
+def apply_rollout_defaults(cfg: Config, environment) -> None:
+    """An environment may recommend rollout limits (`rollout_defaults`, e.g. longer actions for code);
+    they apply to every field the user did not set, and the resolved values are what config.yaml records."""
+    for key, value in getattr(type(environment), "rollout_defaults", {}).items():
+        if key not in cfg.rollout.model_fields_set:
+            setattr(cfg.rollout, key, value)
+
+
 def run_dir_path(cfg: Config) -> Path | None:
     return Path(cfg.output.root) / cfg.output.name if cfg.output.name else None
 
@@ -17,6 +25,7 @@ def preflight(cfg: Config):
     """Validate names, options and paths; return the environment. Raises ConfigError/ValueError."""
     get_algorithm(cfg.algo.name)
     environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
+    apply_rollout_defaults(cfg, environment)
     if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path: {cfg.model.path!r} is not a model folder (no config.json)")
     if cfg.critic.path and not (Path(cfg.critic.path) / "config.json").is_file():

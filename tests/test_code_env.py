@@ -1,0 +1,183 @@
+"""The `code` environment: generator, episodes against the real sandbox, JSONL tasks, one CLI run."""
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from sao.envs.base import make_environment
+from sao.envs.code_env import CodeEnvironment, CodeOptions, parse_action, with_got
+from sao.envs.sandbox import available_mechanism, run_tests
+from sao.models.tokenizer import build_char_tokenizer
+
+ENV = "sao.envs.code_env:CodeEnvironment"
+needs_sandbox = pytest.mark.skipif(available_mechanism() == "none", reason="no sandbox mechanism (root + bwrap)")
+
+
+# From tests/test_smoke_train.py, with room for a code block in an action (64 tokens, not 12).
+TINY = [
+    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
+    "sft.steps=20", "sft.batch_size=8", "train.steps=2", "train.batch_size=4", "critic.warmup_steps=1",
+    "rollout.concurrency=8", "rollout.max_turns=2", "runtime.max_lag=1",
+    "eval.num_tasks=8", "eval.every=0", "output.root=runs", "model.cache_dir=cache",
+]
+
+
+def _env(**options) -> CodeEnvironment:
+    return make_environment(ENV, options, seed=0)
+
+
+def _fenced(code: str, tag: str = "<submit>") -> str:
+    return f"{tag}```python\n{code}\n```"
+
+
+def _play(env, task, actions):
+    async def go():
+        episode = env.new_episode(None)
+        episode.reset(task)
+        return [await episode.step(a) for a in actions]
+    return asyncio.run(go())
+
+
+def test_generator_is_deterministic_split_is_disjoint_and_prompts_are_short():
+    env, again = _env(), _env()
+    held = env.eval_tasks(100)
+    assert [(t.prompt, t.answer) for t in held] == [(t.prompt, t.answer) for t in again.eval_tasks(100)]
+    stream = env.train_tasks()
+    train = [next(stream) for _ in range(1000)]
+    assert not {t.prompt for t in train} & {t.prompt for t in held}
+    assert {t.meta["level"] for t in train} == {1, 2, 3}
+    assert all(len(t.prompt) <= 120 and len(t.meta["reference"]) <= 60 for t in train + held)
+    assert all(3 <= len(t.answer) <= 5 for t in train)
+    assert _env(min_level=2, max_level=2).eval_tasks(5)[0].prompt.startswith("Fix f")
+    tok = build_char_tokenizer()  # code is plain printable ASCII: no unknown tokens
+    assert all(tok.unk_token_id not in tok.encode(t.prompt + t.meta["reference"]) for t in held)
+
+
+@needs_sandbox
+def test_every_reference_passes_and_a_wrong_solution_fails_in_the_sandbox():
+    env = _env()
+    stream = env.train_tasks()
+    tasks = env.eval_tasks(10) + [next(stream) for _ in range(20)]
+    seen = set()
+    for task in tasks:
+        result = run_tests(task.meta["reference"], task.answer, env.limits)
+        assert result.status == "passed", (task.prompt, result.reason)
+        seen.add(task.meta["level"])
+    assert seen == {1, 2, 3}
+    wrong = run_tests("def f(*args):\n    return None", tasks[0].answer, env.limits)
+    assert wrong.status == "failed" and wrong.passed == 0
+    for task in tasks:  # the bug shown in a fix-the-bug prompt fails at least one hidden test
+        if task.meta["level"] == 2:
+            buggy = task.prompt.split("```python\n")[1].split("\n```")[0]
+            assert run_tests(buggy, task.answer, env.limits).status == "failed", task.prompt
+
+
+def test_action_parsing_and_failure_messages():
+    assert parse_action(_fenced("x = 1", "<run_tests>")) == ("run", "x = 1")
+    assert parse_action("<submit>") == ("submit", None)
+    assert parse_action("```python\nx = 1\n```") == (None, None)
+    assert with_got("assert f(1) == 4") == "assert f(1) == 4, 'got ' + repr(f(1))"
+    assert with_got("assert f(1)") == "assert f(1)"
+
+
+@needs_sandbox
+def test_episode_run_tests_then_submit_and_malformed_actions():
+    env = _env(min_level=1, max_level=1)
+    task = env.eval_tasks(1)[0]
+    actions = ["hello", "<run_tests>", _fenced("def f(x) return", "<run_tests>"),
+               _fenced("def f(*a):\n    return 'nope'", "<run_tests>"), _fenced(task.meta["reference"], "<run_tests>"),
+               "<submit>"]
+    hint, no_code, syntax, failing, passing, final = _play(env, task, actions)
+    assert "<submit>" in hint.observation and not hint.done
+    assert "no code" in no_code.observation
+    assert "SyntaxError" in syntax.observation
+    first_test = task.answer[0]
+    assert failing.observation.startswith(f"0/{len(task.answer)} passed") and first_test in failing.observation
+    assert "got 'nope'" in failing.observation
+    assert passing.observation == f"{len(task.answer)}/{len(task.answer)} passed"
+    assert final.done and final.reward == 1.0 and final.info["run_tests_calls"] == 3
+    assert final.info["format_errors"] == 2 and all(isinstance(v, (int, float)) for v in final.info.values())
+
+
+@needs_sandbox
+def test_submit_rewards_full_zero_partial_and_sandbox_failures():
+    task = _env().eval_tasks(1)[0]
+    answer = task.answer[0].split("==")[1].strip()  # right on the first test only
+    one_right = f"def f(*a):\n    return {answer}"
+    strict, partial = _env(), _env(partial_credit=True, timeout_s=1.0)
+    assert _play(strict, task, [_fenced(task.meta["reference"])])[0].reward == 1.0
+    assert _play(strict, task, [_fenced(one_right)])[0].reward == 0.0
+    part = _play(partial, task, [_fenced(one_right)])[0]
+    assert part.reward == pytest.approx(part.info["tests_passed"] / len(task.answer)) and 0 < part.reward < 1
+    slow = _play(partial, task, [_fenced("def f(*a):\n    while True: pass")])[0]
+    assert slow.done and slow.reward == 0.0 and slow.info["sandbox_timeout"] == 1.0
+    spy = _play(partial, task, [_fenced("import socket\nsocket.socket()")])[0]
+    assert spy.reward == 0.0 and spy.info["sandbox_forbidden"] == 1.0
+    hang = _play(partial, task, [_fenced("def f(*a):\n    while True: pass", "<run_tests>")])[0]
+    assert hang.observation.startswith("timeout:") and not hang.done
+
+
+def test_demo_is_a_solved_episode_in_the_agent_loop_format():
+    env = _env(demo_run_tests_rate=0.5)
+    stream, rng = env.train_tasks(), random.Random(0)
+    demos = [env.demo(next(stream), rng) for _ in range(40)]
+    direct = [d for d in demos if len(d) == 2]
+    tested = [d for d in demos if len(d) == 4]
+    assert direct and tested and len(direct) + len(tested) == 40
+    assert all(d[-1]["content"].startswith("<submit>```python\ndef f(") for d in direct)
+    assert [m["role"] for m in tested[0]] == ["user", "assistant", "tool", "assistant"]
+    assert tested[0][1]["content"].startswith("<run_tests>") and tested[0][-1]["content"] == "<submit>"
+
+
+def _write(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+@needs_sandbox
+def test_jsonl_tasks(tmp_path):
+    rows = [{"id": f"t{i}", "statement": f"Write g(x) returning x + {i}.", "tests": [f"assert g(1) == {1 + i}"],
+             "starter": "def g(x):\n    pass", "solution": f"def g(x):\n    return x + {i}"} for i in range(40)]
+    env = _env(path=_write(tmp_path / "t.jsonl", rows), heldout_fraction=0.2)
+    held = env.eval_tasks(3)
+    assert held[0].id.startswith("t") and "```python\ndef g(x):\n    pass\n```" in held[0].prompt
+    assert not {t.id for t in env.train_file} & {t.id for t in env.heldout_file}
+    assert _play(env, held[0], [_fenced(held[0].meta["reference"])])[0].reward == 1.0
+    assert env.demo(held[0], random.Random(0))[-1]["content"].startswith("<submit>")
+    custom = [{"q": f"Write h{i}().", "checks": "assert h() == 2"} for i in range(30)]
+    env = _env(path=_write(tmp_path / "c.jsonl", custom), prompt_field="q", tests_field="checks", id_field=None,
+               heldout_fraction=0.5)
+    assert env.train_file[0].answer == ["assert h() == 2"]
+
+
+@pytest.mark.parametrize("rows, message", [
+    (["{not json"], "line 1: invalid JSON"),
+    ([{"prompt": "p"}], "field 'tests' missing"),
+    ([{"prompt": "p", "tests": [1]}], "must be a test string or a list"),
+    ([], "has no rows"),
+])
+def test_bad_jsonl_files_are_clear_errors(tmp_path, rows, message):
+    with pytest.raises(ValueError, match=r"^env\.options\.path: .*" + message):
+        _env(path=_write(tmp_path / "bad.jsonl", rows))
+    with pytest.raises(ValueError, match="env.options.path: 'nope.jsonl' not found"):
+        _env(path="nope.jsonl")
+    with pytest.raises(ValueError, match="min_level must be <= max_level"):
+        _env(min_level=3, max_level=1)
+
+
+@needs_sandbox
+def test_train_cli_smoke_run(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *TINY, f"env.name={ENV}", "output.name=code",
+                           "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "held-out accuracy:" in proc.stdout
+    summary = json.loads((tmp_path / "runs" / "code" / "summary.json").read_text())
+    assert summary["steps"] == 2
+
+
+def test_options_are_documented():
+    assert all(f.description for f in CodeOptions.model_fields.values())
