@@ -12,6 +12,7 @@ Rollout and training really overlap on two cores: each process pins its own intr
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import os
 import queue as queue_mod
 import time
@@ -76,9 +77,14 @@ def rollout_process_main(spec: WorkerSpec, weights, counters, trainer_step, out_
             out_q.put(("stats", {**engine.stats, "wall_s": now - t_start, "version": engine.version}))
 
     params = SamplingParams(temperature=1.0)
+    parent = mp.parent_process()
+
+    def should_stop() -> bool:  # also when the trainer was killed: never outlive it
+        return stop.is_set() or (parent is not None and not parent.is_alive())
+
     asyncio.run(run_rollout_worker(
         engine, environment, codec, params, spec.limits, environment.train_tasks(), pacer.admit, emit,
-        spec.concurrency, stop.is_set, trainer_version=lambda: trainer_step.value,
+        spec.concurrency, should_stop, trainer_version=lambda: trainer_step.value,
     ))
     out_q.put(("stats", {**engine.stats, "wall_s": time.perf_counter() - t_start, "version": engine.version}))
     out_q.put(("done", None))
