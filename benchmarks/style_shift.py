@@ -86,8 +86,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     ns = ap.parse_args()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    common = ["env.name=style_shift", f"train.steps={ns.steps}", "eval.every=25", "eval.num_tasks=100",
-              "output.root=runs/bench", *ns.overrides]
+    # a smaller actor step than calc's default: the style choice saturates within a phase otherwise
+    common = ["env.name=style_shift", f"train.steps={ns.steps}", "train.lr=2e-4", "eval.every=25",
+              "eval.num_tasks=100", "output.root=runs/bench", *ns.overrides]
     phases = StyleShiftOptions().phases
     results = {}
     for name, extra in ALGOS.items():
