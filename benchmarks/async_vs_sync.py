@@ -43,15 +43,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--out", default="benchmarks/results/async_vs_sync.json")
+    ap.add_argument("--threads", nargs="*", default=["1,1", "1,2", "2,2"],
+                    help="async thread pinnings to compare, as rollout,trainer (2,2 = torch's default on 2 cores)")
     ap.add_argument("overrides", nargs="*")
     ns = ap.parse_args()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     common = [f"train.steps={ns.steps}", "eval.every=0", "eval.num_tasks=50", "output.root=runs/bench", *ns.overrides]
     results = {}
-    for mode in ("async", "sync"):
-        cfg = load_config(None, [*common, f"runtime.mode={mode}", f"output.name={mode}-{stamp}"])
+    runs = [("sync", ["runtime.mode=sync"])] + [
+        (f"async_{t.replace(',', '_')}", ["runtime.mode=async", f"runtime.rollout_threads={t.split(',')[0]}",
+                                          f"runtime.trainer_threads={t.split(',')[1]}"]) for t in ns.threads]
+    for name, extra in runs:
+        cfg = load_config(None, [*common, *extra, f"output.name={name}-{stamp}"])
         res = train(cfg, RunProgress(enabled=sys.stderr.isatty()))
-        results[mode] = {"run_dir": res.run_dir, **_loop_stats(res.run_dir)}
+        results[name] = {"run_dir": res.run_dir, "overrides": extra, **_loop_stats(res.run_dir)}
+    results["async"] = results[f"async_{ns.threads[0].replace(',', '_')}"]  # the first pinning is the default
     a, s = results["async"], results["sync"]
     gen, trn = s["gen_total_s"], s["train_total_s"]
     summary = {
@@ -71,6 +77,9 @@ def main() -> None:
     print(f"{'measure':<34}{'seconds':>10}")
     for k in ("async_s", "sync_s", "gen_only_s", "train_only_s"):
         print(f"{k:<34}{summary[k]:>10.1f}")
+    for t in ns.threads:
+        r = results[f"async_{t.replace(',', '_')}"]
+        print(f"{'async, threads rollout,trainer=' + t:<34}{r['loop_wall_s']:>10.1f}")
     print(f"{'async / sync':<34}{summary['async_over_sync']:>10.2f}")
     print(f"{'async / max(gen, train)':<34}{summary['async_over_max_gen_train']:>10.2f}")
     print(f"results: {out}")

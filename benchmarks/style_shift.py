@@ -33,20 +33,24 @@ def moving_average(xs: list[float], w: int) -> list[float]:
     return [sum(xs[max(0, i - w + 1): i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(xs))]
 
 
-def phase_figures(steps: list[int], rewards: list[float], starts: list[int], total: int) -> dict:
-    """Stable reward per phase and steps to recover after each switch."""
+def phase_figures(steps: list[int], rewards: list[float], starts: list[int], total: int, window: int = 10) -> dict:
+    """Stable reward per phase (mean of its last quarter) and steps to recover after each switch: the
+    steps from the switch until the mean reward of the last `window` steps *of the new phase* first
+    reaches 80% of the stable reward before the switch (None: not within the phase)."""
     bounds = starts + [total + 1]
-    stable, recovery = [], []
-    smooth = moving_average(rewards, 10)
-    for k in range(len(starts)):
-        lo, hi = bounds[k], bounds[k + 1]
-        phase = [r for s, r in zip(steps, rewards) if lo <= s < hi]
+    phases = [[(s, r) for s, r in zip(steps, rewards) if bounds[k] <= s < bounds[k + 1]] for k in range(len(starts))]
+    stable = []
+    for phase in phases:
         tail = phase[len(phase) * 3 // 4:] or phase
-        stable.append(sum(tail) / len(tail) if tail else None)
+        stable.append(sum(r for _, r in tail) / len(tail) if tail else None)
+    recovery = []
     for k in range(1, len(starts)):
         target = 0.8 * stable[k - 1] if stable[k - 1] else None
-        hit = next((s - starts[k] for s, r in zip(steps, smooth)
-                    if starts[k] <= s < bounds[k + 1] and target is not None and r >= target), None)
+        hit = None
+        for i in range(window - 1, len(phases[k])):
+            if target is not None and sum(r for _, r in phases[k][i - window + 1: i + 1]) / window >= target:
+                hit = phases[k][i][0] - starts[k]
+                break
         recovery.append(hit)
     return {"stable_reward": stable, "steps_to_recover": recovery}
 
