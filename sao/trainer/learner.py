@@ -67,12 +67,15 @@ class Learner:
     def _critic_phase(self, batch: Batch, metrics: dict) -> torch.Tensor:
         """Steps 1-3: returns, K critic updates, then actor advantages from the updated critic."""
         mask, cfg = batch.action_mask, self.algo_cfg
-        with torch.no_grad():  # step 1
-            v0 = self._values(batch)
-            _, returns = skip_observation_gae(batch.rewards, v0, mask, cfg.gamma, 1.0)
+        # step 1: v0 is also the forward pass of the first critic update (the critic has not changed
+        # yet), so one forward serves both
+        v = self._values(batch)
+        v0 = v.detach()
+        _, returns = skip_observation_gae(batch.rewards, v0, mask, cfg.gamma, 1.0)
         metrics["critic/explained_variance"] = explained_variance(v0, returns, mask)
-        for _ in range(self.critic_updates):  # step 2
-            v = self._values(batch)
+        for k in range(self.critic_updates):  # step 2
+            if k > 0:
+                v = self._values(batch)
             loss, m = value_loss(v, returns, mask, old_values=v0, clip=self.critic_cfg.value_clip)
             self.critic_opt.zero_grad(set_to_none=True)
             loss.backward()
