@@ -29,6 +29,8 @@ def _loop_stats(run_dir: str) -> dict:
     last = steps[-1]
     return {
         "loop_wall_s": last["perf/wall_s"],
+        # from the end of step 1 on: excludes the rollout process's start-up that step 1 may wait for
+        "steady_wall_s": last["perf/wall_s"] - steps[0]["perf/wall_s"],
         "train_step_s_total": sum(r["perf/train_step_s"] for r in steps),
         "gen_total_s": last.get("perf/gen_total_s"),
         "train_total_s": last.get("perf/train_total_s"),
@@ -68,6 +70,9 @@ def main() -> None:
         "train_only_s": trn,
         "async_over_sync": a["loop_wall_s"] / s["loop_wall_s"],
         "async_over_max_gen_train": a["loop_wall_s"] / max(gen, trn),
+        "async_steady_s": a["steady_wall_s"],
+        "sync_steady_s": s["steady_wall_s"],
+        "async_over_sync_steady": a["steady_wall_s"] / s["steady_wall_s"],
         "config_overrides": common,
         "runs": results,
     }
@@ -81,6 +86,7 @@ def main() -> None:
         r = results[f"async_{t.replace(',', '_')}"]
         print(f"{'async, threads rollout,trainer=' + t:<34}{r['loop_wall_s']:>10.1f}")
     print(f"{'async / sync':<34}{summary['async_over_sync']:>10.2f}")
+    print(f"{'async / sync, after step 1':<34}{summary['async_over_sync_steady']:>10.2f}")
     print(f"{'async / max(gen, train)':<34}{summary['async_over_max_gen_train']:>10.2f}")
     print(f"results: {out}")
 

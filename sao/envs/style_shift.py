@@ -45,10 +45,12 @@ class Phase(BaseModel):
 
 
 def _default_phases() -> list[Phase]:
-    four = ["cute", "chuuni", "classical", "plain"]
-    return [Phase(start=0, rewarded="cute", candidates=four),
-            Phase(start=100, rewarded="chuuni", candidates=four),
-            Phase(start=200, rewarded="classical", candidates=["classical", "chuuni", "pirate", "formal"])]
+    """cute -> chuuni -> classical (the paper's order). Each switch also retires the style rewarded
+    before it: a tiny policy saturates on a style within a phase (p ~ 1, so its policy gradient
+    vanishes) and without exploration never samples the new one while the old one is still listed."""
+    return [Phase(start=0, rewarded="cute", candidates=["cute", "chuuni", "classical", "plain"]),
+            Phase(start=100, rewarded="chuuni", candidates=["chuuni", "classical", "plain", "pirate"]),
+            Phase(start=200, rewarded="classical", candidates=["classical", "plain", "pirate", "formal"])]
 
 
 class StyleShiftOptions(EnvOptions):

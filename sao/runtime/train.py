@@ -173,59 +173,66 @@ class Trainer:
                                          "critic_version": self.learner.critic_version})
 
 
-def run_async(trainer: Trainer) -> None:
-    cfg, learner = trainer.cfg, trainer.learner
+def start_rollout(trainer: Trainer) -> tuple[RolloutProcess, SharedWeights]:
+    """Spawn the rollout process with version-0 weights; it starts generating as soon as it is up."""
+    cfg = trainer.cfg
     ctx = torch.multiprocessing.get_context("spawn")
     weights = SharedWeights.for_model(trainer.actor, ctx)
     weights.publish(list(trainer.actor.parameters()), 0)
     spec = WorkerSpec(str(trainer.model_path), cfg.env.name, cfg.env.options, cfg.train.seed, trainer.limits,
                       cfg.rollout.concurrency, cfg.runtime.rollout_threads, cfg.train.batch_size, cfg.runtime.max_lag)
     worker = RolloutProcess(spec, weights, ctx)
+    worker.start()
+    return worker, weights
+
+
+def _async_perf(trainer: Trainer, worker: RolloutProcess, wait_s: float, wall: float, sync_ms: float) -> dict:
+    ws = worker.stats  # the rollout process reports its engine counters about once a second
+    return {
+        "async/trainer_wait_s": wait_s,
+        "async/trainer_idle_frac": trainer.totals["wait_s"] / wall,
+        "async/rollout_idle_frac": 1.0 - ws.get("busy_s", 0.0) / max(ws.get("wall_s", 1.0), 1e-9),
+        "async/engine_version": float(ws.get("version", 0)),
+        "perf/tokens_per_s": ws.get("tokens", 0) / max(ws.get("wall_s", 1.0), 1e-9),
+        "perf/engine_tokens_per_s": ws.get("tokens", 0) / max(ws.get("busy_s", 1.0), 1e-9),
+        "perf/weight_sync_ms": sync_ms,
+        "perf/wall_s": wall,
+    }
+
+
+def run_async(trainer: Trainer, worker: RolloutProcess, weights: SharedWeights) -> None:
+    """Take the next B finished trajectories, train, publish every `sync_every` actor steps."""
+    cfg, learner = trainer.cfg, trainer.learner
     pacer = Pacer(cfg.train.batch_size, cfg.runtime.max_lag, *worker.counters)
     queue = TrajectoryQueue()
-    worker.start()
     t_start, sync_ms, unpublished = time.perf_counter(), 0.0, 0
-    try:
-        for step in range(1, cfg.train.steps + 1):
-            t_wait = time.perf_counter()
-            version = learner.actor_version  # the policy this batch updates; lag is measured against it
-            while True:
-                batch, dropped = queue.get_batch(cfg.train.batch_size, version, cfg.runtime.max_lag)
-                pacer.refund(len(dropped))
-                if batch:
-                    break
-                for traj in worker.receive(timeout=1.0):
-                    queue.put(traj)
-            wait_s = time.perf_counter() - t_wait
-            trainer.totals.update(wait_s=trainer.totals["wait_s"] + wait_s, dropped_stale=queue.dropped_stale,
-                                  failed=sum(queue.failed.values()))
-            metrics = learner.step(collate(batch, trainer.codec.tokenizer.pad_token_id))
-            worker.trainer_step.value = step
-            unpublished += 1
-            if learner.actor_version == version:  # critic warm-up: the policy did not change
-                pacer.mark_consumed(unpublished)
-                unpublished = 0
-            elif learner.actor_version % cfg.runtime.sync_every == 0:
-                sync_ms = weights.publish(list(trainer.actor.parameters()), learner.actor_version)
-                pacer.mark_consumed(unpublished)
-                unpublished = 0
-            wall = time.perf_counter() - t_start
-            ws = worker.stats
-            extra = {
-                "async/trainer_wait_s": wait_s,
-                "async/trainer_idle_frac": trainer.totals["wait_s"] / wall,
-                "async/rollout_idle_frac": 1.0 - ws.get("busy_s", 0.0) / max(ws.get("wall_s", 1.0), 1e-9),
-                "async/engine_version": float(ws.get("version", 0)),
-                "perf/tokens_per_s": ws.get("tokens", 0) / max(ws.get("wall_s", 1.0), 1e-9),
-                "perf/engine_tokens_per_s": ws.get("tokens", 0) / max(ws.get("busy_s", 1.0), 1e-9),
-                "perf/weight_sync_ms": sync_ms,
-                "perf/wall_s": wall,
-            }
-            trainer.after_step(step, batch, version, metrics, extra)
-            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
-                trainer.evaluate(step)
-    finally:
-        worker.stop()
+    for step in range(1, cfg.train.steps + 1):
+        t_wait = time.perf_counter()
+        version = learner.actor_version  # the policy this batch updates; lag is measured against it
+        while True:
+            batch, dropped = queue.get_batch(cfg.train.batch_size, version, cfg.runtime.max_lag)
+            pacer.refund(len(dropped))
+            if batch:
+                break
+            for traj in worker.receive(timeout=1.0):
+                queue.put(traj)
+        wait_s = time.perf_counter() - t_wait
+        trainer.totals.update(wait_s=trainer.totals["wait_s"] + wait_s, dropped_stale=queue.dropped_stale,
+                              failed=sum(queue.failed.values()))
+        metrics = learner.step(collate(batch, trainer.codec.tokenizer.pad_token_id))
+        worker.trainer_step.value = step
+        unpublished += 1
+        if learner.actor_version == version:  # critic warm-up: the policy did not change
+            pacer.mark_consumed(unpublished)
+            unpublished = 0
+        elif learner.actor_version % cfg.runtime.sync_every == 0:
+            sync_ms = weights.publish(list(trainer.actor.parameters()), learner.actor_version)
+            pacer.mark_consumed(unpublished)
+            unpublished = 0
+        perf = _async_perf(trainer, worker, wait_s, time.perf_counter() - t_start, sync_ms)
+        trainer.after_step(step, batch, version, metrics, perf)
+        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+            trainer.evaluate(step)
 
 
 def run_sync(trainer: Trainer) -> None:
@@ -276,11 +283,18 @@ def train(cfg: Config, progress: RunProgress) -> RunResult:
     diff = parity_check(trainer.actor, engine_copy(trainer), trainer.codec, trainer.environment,  # step 2
                         trainer.limits, cfg.runtime.parity_tol, seed=cfg.train.seed)
     trainer.run.log(0, {"parity/max_abs_diff": diff})
-    before = trainer.evaluate(0)  # step 3
-    progress.start_training(cfg.train.steps)
+    # the rollout process pays its start-up (imports, model load: seconds) while step 3 runs
+    rollout = start_rollout(trainer) if cfg.runtime.mode == "async" else None
     try:
-        (run_async if cfg.runtime.mode == "async" else run_sync)(trainer)  # step 4
+        before = trainer.evaluate(0)  # step 3
+        progress.start_training(cfg.train.steps)
+        if rollout is not None:  # step 4
+            run_async(trainer, *rollout)
+        else:
+            run_sync(trainer)
     finally:
+        if rollout is not None:
+            rollout[0].stop()
         progress.stop_training()
     after = trainer.evaluate(cfg.train.steps)  # step 5
     ckpt = trainer.save("final", cfg.train.steps)
