@@ -70,6 +70,9 @@ def test_dis_masks_both_sides_for_any_advantage_sign():
     assert torch.allclose(logp.grad, torch.tensor([[-0.25, 0.0, 0.0, 0.6, 0.0]]), atol=1e-6)
     assert m["dis/masked_low_frac"] == pytest.approx(0.25)
     assert m["dis/masked_high_frac"] == pytest.approx(0.25)
+    # k3 estimate of KL(rollout || current): mean over the 4 action tokens of (r - 1) - log r
+    k3 = [(r - 1) - math.log(r) for r in (1.0, 0.5, 7.0, 1.2)]
+    assert m["dis/approx_kl"] == pytest.approx(sum(k3) / 4, rel=1e-5)
 
 
 def test_dis_boundaries_are_strict():

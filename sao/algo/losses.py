@@ -29,8 +29,8 @@ def dis_policy_loss(
     keep = (~low & ~high).to(logprobs.dtype) * action_mask
     weight = (ratio * keep).detach()
     pg_loss = -(weight * advantages.detach() * logprobs * action_mask).sum() / action_mask.sum().clamp(min=1)
-    # approx KL(pi_rollout || pi_theta) with the k3 estimator, over action tokens
-    approx_kl = masked_mean(torch.exp(-logratio) - 1.0 + logratio, action_mask)
+    # approx KL(pi_rollout || pi_theta), k3 estimator over tokens sampled from pi_rollout: (r - 1) - log r
+    approx_kl = masked_mean(ratio - 1.0 - logratio, action_mask)
     metrics = {
         "dis/masked_low_frac": float(masked_mean(low.float(), action_mask)),
         "dis/masked_high_frac": float(masked_mean(high.float(), action_mask)),
