@@ -87,3 +87,20 @@ def test_environment_failures_end_only_the_episode(tiny, env, status, reason):
     _, codec = tiny
     traj = _run(env, Task("t", "x"), ScriptedEngine(codec, ["a"]), codec, step_timeout_s=0.05)
     assert traj.status == status and traj.status_reason == reason and traj.reward == 0.0
+
+
+class Hang:
+    def reset(self, task):
+        return [{"role": "user", "content": "x"}]
+
+    def step(self, action):  # a plain (sync) step that hangs
+        import time
+
+        time.sleep(2)
+        return StepResult("", 1.0, True)
+
+
+def test_a_hanging_sync_environment_times_out(tiny):
+    _, codec = tiny
+    traj = _run(Hang(), Task("t", "x"), ScriptedEngine(codec, ["a"]), codec, step_timeout_s=0.1)
+    assert traj.status == Status.TIMEOUT

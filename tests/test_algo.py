@@ -130,3 +130,8 @@ def test_group_and_running_mean_baselines():
     rm = RunningMeanBaseline(window=2, per_prompt=False)
     # baseline is the mean of earlier rewards in the window: 0 (empty), 1, (1+0)/2, (0+1)/2
     assert rm.advantages([1.0, 0.0, 1.0, 1.0], ["x", "y", "z", "w"]) == [1.0, -1.0, 0.5, 0.5]
+
+
+def test_whitening_equal_values_gives_zeros_not_noise():
+    x = torch.full((1, 4), 0.3) + torch.tensor([[0.0, 1e-9, -1e-9, 0.0]])
+    assert masked_whiten(x, torch.ones(1, 4)).abs().max() < 1e-2

@@ -95,3 +95,18 @@ def test_stop_token_ends_generation_and_greedy_is_argmax():
     # top_k=1 at any temperature is the argmax too, with log-prob 0 under the truncated distribution
     ids, lps = sample_tokens(logits, [SamplingParams(top_k=1)] * 2, gen)
     assert ids.tolist() == [1, 0] and torch.allclose(lps, torch.zeros(2))
+
+
+def test_a_failing_forward_pass_fails_the_waiting_requests(tiny):
+    model, codec = tiny
+    engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=4, seed=0)
+    bad = [len(codec.tokenizer) + 1000]  # an id outside the vocabulary: the embedding lookup raises
+
+    async def main():
+        results = await asyncio.gather(engine.generate(bad, SamplingParams(max_new_tokens=3)),
+                                       return_exceptions=True)
+        await engine.close()
+        return results
+
+    (result,) = asyncio.run(asyncio.wait_for(main(), 30))
+    assert isinstance(result, Exception)

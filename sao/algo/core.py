@@ -20,11 +20,12 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_mean((x - mean) ** 2, mask)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over masked positions; zero outside the mask."""
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, min_std: float = 1e-6) -> torch.Tensor:
+    """(x - mean) / std over masked positions; zero outside the mask. The std is floored so that a
+    batch of (numerically) equal values whitens to ~0, not to rounding noise of unit scale."""
     mean = masked_mean(x, mask)
-    std = masked_var(x, mask).clamp(min=0).sqrt()
-    return (x - mean) / (std + eps) * mask
+    std = masked_var(x, mask).clamp(min=0).sqrt().clamp(min=min_std)
+    return (x - mean) / std * mask
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

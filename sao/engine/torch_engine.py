@@ -79,6 +79,7 @@ class TorchEngine:
         self.weight_source = weight_source
         self.generator = torch.Generator().manual_seed(seed)
         self._pending: list[_Request] = []
+        self._admitting: list[_Request] = []  # being prefilled right now
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         # running batch
@@ -118,10 +119,23 @@ class TorchEngine:
                 await self._loop_task
             except asyncio.CancelledError:
                 pass
+            except Exception:  # already delivered to the requests that were waiting
+                pass
             self._loop_task = None
 
     # -- decode loop ------------------------------------------------------------------------
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception as exc:  # a failed forward pass must fail the waiting episodes, not hang them
+            for req in self._active + self._admitting + self._pending:
+                if not req.future.done():
+                    req.future.set_exception(exc)
+            self._active, self._admitting, self._pending = [], [], []
+            self._cache = self._mask = self._next_pos = self._last = None
+            raise
+
+    async def _loop(self) -> None:
         import time
 
         while True:
@@ -133,8 +147,9 @@ class TorchEngine:
             with torch.no_grad():
                 if self._pending and len(self._active) < self.max_batch:
                     room = self.max_batch - len(self._active)
-                    new, self._pending = self._pending[:room], self._pending[room:]
-                    self._prefill(new)
+                    self._admitting, self._pending = self._pending[:room], self._pending[room:]
+                    self._prefill(self._admitting)
+                    self._admitting = []
                 elif self._active:
                     self._decode_step()
                 self._retire()

@@ -35,8 +35,12 @@ class EpisodeLimits:
 
 
 async def _call(fn, *args, timeout: float):
-    result = fn(*args)
-    if inspect.isawaitable(result):
+    """Await an async env method, or run a plain one in a worker thread, both under `timeout`, so a
+    hanging environment ends its own episode instead of blocking every episode of the event loop."""
+    if inspect.iscoroutinefunction(fn):
+        return await asyncio.wait_for(fn(*args), timeout)
+    result = await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout)
+    if inspect.isawaitable(result):  # e.g. a plain function returning a coroutine
         result = await asyncio.wait_for(result, timeout)
     return result
 

@@ -121,6 +121,7 @@ class Learner:
 
     def _actor_step(self, batch: Batch, advantages: torch.Tensor) -> dict[str, float]:
         mask, cfg = batch.action_mask, self.algo_cfg
+        self.actor.train()  # an engine sharing this model (evaluation, sync mode) switches it to eval()
         if self.algo.policy_loss == "ppo":
             with torch.no_grad():  # pi_old: the extra forward pass DIS avoids
                 old_logprobs = sequence_logprobs(self.actor, batch.input_ids, batch.attention_mask)
