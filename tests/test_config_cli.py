@@ -79,12 +79,12 @@ def test_flags_may_follow_overrides():
     assert proc.returncode == 2 and "algo.bad: unknown key" in proc.stderr
 
 
-def test_environment_rollout_defaults_apply_only_where_the_user_is_silent():
+def test_environment_config_defaults_apply_only_where_the_user_is_silent():
     from sao.runtime.preflight import preflight
 
     cfg = load_config(None, ["env.name=code"])
     preflight(cfg)
-    assert cfg.rollout.max_action_tokens == 72 and cfg.rollout.max_turns == 3
+    assert cfg.rollout.max_action_tokens == 72 and cfg.rollout.max_turns == 3 and cfg.sft.steps == 800
     cfg = load_config(None, ["env.name=code", "rollout.max_action_tokens=40"])
     preflight(cfg)
     assert cfg.rollout.max_action_tokens == 40 and cfg.rollout.max_turns == 3

@@ -9,12 +9,15 @@ from sao.config import Config, ConfigError
 from sao.envs import make_environment
 
 
-def apply_rollout_defaults(cfg: Config, environment) -> None:
-    """An environment may recommend rollout limits (`rollout_defaults`, e.g. longer actions for code);
-    they apply to every field the user did not set, and the resolved values are what config.yaml records."""
-    for key, value in getattr(type(environment), "rollout_defaults", {}).items():
-        if key not in cfg.rollout.model_fields_set:
-            setattr(cfg.rollout, key, value)
+def apply_env_defaults(cfg: Config, environment) -> None:
+    """An environment may recommend settings (`config_defaults = {"rollout": {...}, "sft": {...}}`,
+    e.g. longer actions and a lighter SFT for code); they apply to every field the user did not set,
+    and the resolved values are what config.yaml records and what the SFT cache is keyed on."""
+    for section, values in getattr(type(environment), "config_defaults", {}).items():
+        target = getattr(cfg, section)
+        for key, value in values.items():
+            if key not in target.model_fields_set:
+                setattr(target, key, value)
 
 
 def run_dir_path(cfg: Config) -> Path | None:
@@ -25,7 +28,7 @@ def preflight(cfg: Config):
     """Validate names, options and paths; return the environment. Raises ConfigError/ValueError."""
     get_algorithm(cfg.algo.name)
     environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
-    apply_rollout_defaults(cfg, environment)
+    apply_env_defaults(cfg, environment)
     if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path: {cfg.model.path!r} is not a model folder (no config.json)")
     if cfg.critic.path and not (Path(cfg.critic.path) / "config.json").is_file():
