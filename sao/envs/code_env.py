@@ -310,7 +310,10 @@ class CodeEnvironment:
     # One token per character: a fenced solution after <run_tests>/<submit> needs ~70 tokens (calc: 24).
     # Episodes are ~3x longer than calc's, so calc's SFT (1500 x 64) would take ~25 min on 2 cores;
     # 800 x 32 warm-starts the tiny model to ~67% held-out pass rate in a few minutes.
-    config_defaults = {"rollout": {"max_action_tokens": 72, "max_turns": 3, "max_episode_tokens": 448},
+    # The sandbox enforces each run's own wall limit; the agent loop's step timeout also covers waiting
+    # for a sandbox slot (max_parallel), which with hundreds of concurrent episodes exceeds 30 s.
+    config_defaults = {"rollout": {"max_action_tokens": 72, "max_turns": 3, "max_episode_tokens": 448,
+                                   "step_timeout_s": 600.0},
                        "sft": {"steps": 800, "batch_size": 32}}
 
     def __init__(self, options: CodeOptions, seed: int = 0):
