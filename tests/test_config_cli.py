@@ -85,6 +85,7 @@ def test_environment_config_defaults_apply_only_where_the_user_is_silent():
     cfg = load_config(None, ["env.name=code"])
     preflight(cfg)
     assert cfg.rollout.max_action_tokens == 72 and cfg.rollout.max_turns == 3 and cfg.sft.steps == 800
+    assert cfg.algo.whiten_advantages is False and cfg.train.lr == 1e-4
     cfg = load_config(None, ["env.name=code", "rollout.max_action_tokens=40"])
     preflight(cfg)
     assert cfg.rollout.max_action_tokens == 40 and cfg.rollout.max_turns == 3
