@@ -14,12 +14,11 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from sao.config import Config, ConfigError
 from sao.models.chat import ChatCodec
 from sao.models.tiny import build_tiny_model, load_model
 from sao.models.tokenizer import load_tokenizer
+from sao.runtime.preflight import model_path_of
 from sao.trainer.sft import Example, sft_train
 
 SFT_FORMAT = 1  # bump when the demo tokenization or SFT recipe changes
@@ -43,20 +42,10 @@ def base_model_key(cfg: Config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def resolve_model_path(cfg: Config) -> Path | None:
-    """The user's model folder (checked), or None when the built-in model is used."""
-    if cfg.model.path is None:
-        return None
-    path = Path(cfg.model.path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model.path: {str(path)!r} is not a model folder (no config.json)")
-    return path
-
-
 def prepare_base_model(cfg: Config, environment, on_step: Callable[[int, float], None] | None = None,
                        force: bool = False) -> tuple[Path, bool]:
     """Return (path, built_now). Builds and SFT-trains the tiny model on a cache miss."""
-    user = resolve_model_path(cfg)
+    user = model_path_of(cfg)
     if user is not None:
         return user, False
     out = Path(cfg.model.cache_dir) / f"tiny-{base_model_key(cfg)}"
@@ -84,7 +73,3 @@ def prepare_base_model(cfg: Config, environment, on_step: Callable[[int, float],
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out, True
-
-
-def set_threads(n: int) -> None:
-    torch.set_num_threads(n)

@@ -20,6 +20,16 @@ def apply_env_defaults(cfg: Config, environment) -> None:
                 setattr(target, key, value)
 
 
+def model_path_of(cfg: Config) -> Path | None:
+    """The user's model folder (checked), or None when the built-in model is used."""
+    if cfg.model.path is None:
+        return None
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path: {str(path)!r} is not a model folder (no config.json)")
+    return path
+
+
 def run_dir_path(cfg: Config) -> Path | None:
     return Path(cfg.output.root) / cfg.output.name if cfg.output.name else None
 
@@ -29,8 +39,7 @@ def preflight(cfg: Config):
     get_algorithm(cfg.algo.name)
     environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
     apply_env_defaults(cfg, environment)
-    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(f"model.path: {cfg.model.path!r} is not a model folder (no config.json)")
+    model_path_of(cfg)
     if cfg.critic.path and not (Path(cfg.critic.path) / "config.json").is_file():
         raise ConfigError(f"critic.path: {cfg.critic.path!r} is not a model folder (no config.json)")
     path = run_dir_path(cfg)
