@@ -60,3 +60,36 @@ def test_demos_pick_a_listed_style_and_answer_correctly():
         assert style in listed and reply["content"].endswith(f"<answer>{task.answer}</answer>")
     held = {t.prompt for t in env.eval_tasks(50)}
     assert not held & {next(tasks).prompt for _ in range(500)}
+
+
+def _benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "style_shift.py"
+    spec = importlib.util.spec_from_file_location("style_shift_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_recovery_is_measured_against_an_absolute_reward():
+    bench = _benchmark()
+    # phase 0 (steps 1-10) at 1.0; phase 1 (11-30) at 0 for 5 steps, then 1.0; phase 2 (31-40) stays at 0
+    steps = list(range(1, 41))
+    rewards = [1.0] * 10 + [0.0] * 5 + [1.0] * 15 + [0.0] * 10
+    fig = bench.phase_figures(steps, rewards, [0, 11, 31], 40, recover_at=0.8, window=4)
+    # the 4-step mean first reaches 0.8 at step 19 (rewards of steps 16-19 are all 1): 19 - 11 = 8
+    assert fig["steps_to_recover"] == [8, None]
+    # stable reward = mean of each phase's last quarter: phase 1's last 5 steps are all 1.0
+    assert fig["stable_reward"] == [1.0, 1.0, 0.0]
+    # a phase that stayed at zero reward does not hide the recovery after it
+    rewards = [1.0] * 10 + [0.0] * 20 + [1.0] * 10
+    assert bench.phase_figures(steps, rewards, [0, 11, 31], 40, window=4)["steps_to_recover"] == [None, 3]
+
+
+def test_benchmark_median_counts_unrecovered_runs_as_slowest():
+    bench = _benchmark()
+    assert bench.median_or_none([30, None, 10]) == 30.0
+    assert bench.median_or_none([None, None, 10]) is None
+    assert bench.median_or_none([4, 8]) == 4.0  # lower median of an even count
