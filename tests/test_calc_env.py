@@ -37,14 +37,17 @@ def test_malformed_calls_get_error_observations_not_crashes():
     assert r.done and r.reward == 0.0
 
 
-def test_split_is_fixed_and_disjoint():
+def test_split_is_fixed_by_data_seed_and_disjoint_for_every_train_seed():
     a = make_environment("calc", {}, seed=3)
-    b = make_environment("calc", {}, seed=3)
+    b = make_environment("calc", {}, seed=0)  # another train.seed: the same held-out set
     held = a.eval_tasks(200)
-    assert [t.prompt for t in held] == [t.prompt for t in b.eval_tasks(200)]  # fixed by seed
-    train = a.train_tasks()
-    train_prompts = {next(train).prompt for _ in range(3000)}
-    assert not train_prompts & {t.prompt for t in held}
+    assert [t.prompt for t in held] == [t.prompt for t in b.eval_tasks(200)]
+    assert len({t.prompt for t in held}) == 200  # distinct problems
+    for env in (a, b):  # no run's training stream (nor the SFT demos, drawn with sft.seed) reaches it
+        train = env.train_tasks()
+        assert not {next(train).prompt for _ in range(3000)} & {t.prompt for t in held}
+    other = make_environment("calc", {"data_seed": 1}, seed=3).eval_tasks(200)
+    assert {t.prompt for t in other} != {t.prompt for t in held}
 
 
 def test_difficulty_knobs_and_option_errors():

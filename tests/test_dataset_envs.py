@@ -223,3 +223,16 @@ def test_cli_reports_a_bad_field_with_exit_code_2(tmp_path):
         f"sao: error: env.options.prompt_field: field 'problem' not in {path!r} row 1 "
         "(fields: part, question, solution, uid)"]
     assert not (tmp_path / "runs").exists()
+
+
+def test_distinct_tasks_dedupes_and_repeats_a_small_pool_evenly():
+    from itertools import cycle
+
+    from sao.envs.splits import distinct_tasks
+    from sao.types import Task
+
+    pool = [Task(id=f"t{i}", prompt=p) for i, p in enumerate("abcab")]
+    got = distinct_tasks(iter(cycle(pool)), 3)
+    assert [t.prompt for t in got] == ["a", "b", "c"]
+    got = distinct_tasks(iter(cycle(pool)), 7, patience=50)  # only 3 exist: each twice or three times
+    assert [t.prompt for t in got] == list("abcabca") and len({t.id for t in got}) == 3

@@ -14,7 +14,6 @@ learn to call it.
 from __future__ import annotations
 
 import ast
-import hashlib
 import operator
 import random
 import re
@@ -23,7 +22,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from sao.envs.base import EnvOptions, EpisodeContext, Message, StepResult, register_environment
+from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
+from sao.envs.splits import SplitOptions, distinct_tasks, is_heldout
 from sao.types import Task
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -63,7 +63,7 @@ def evaluate(expr: str) -> int:
     return ev(tree)
 
 
-class CalcOptions(EnvOptions):
+class CalcOptions(SplitOptions):
     min_digits: int = Field(1, ge=1, le=6, description="fewest digits of an operand")
     max_digits: int = Field(2, ge=1, le=6, description="most digits of an operand")
     min_ops: int = Field(1, ge=1, le=6, description="fewest operations in a problem")
@@ -73,7 +73,7 @@ class CalcOptions(EnvOptions):
     demo_tool_rate_hard: float = Field(0.3, ge=0, le=1, description="SFT demos: tool use on hard problems")
     demo_calls: Literal["whole", "stepwise"] = Field(
         "whole", description="SFT demos call the tool once on the whole expression, or once per operation")
-    eval_seed_offset: int = Field(1_000_003, description="held-out tasks use seed + this offset")
+    eval_seed_offset: int = Field(1_000_003, description="held-out tasks are drawn with data_seed + this offset")
 
     @model_validator(mode="after")
     def _ranges(self) -> CalcOptions:
@@ -144,9 +144,8 @@ class CalcEnvironment:
         self.seed = seed
 
     def is_heldout(self, prompt: str) -> bool:
-        """A fixed split by seed: one problem in ten is held out, whatever the number drawn."""
-        digest = hashlib.sha256(f"{self.seed}:{prompt}".encode()).digest()
-        return digest[0] % 10 == 0
+        """A fixed split by `data_seed` (not train.seed): `heldout_fraction` of problems, whatever is drawn."""
+        return is_heldout(prompt, self.options.heldout_fraction, self.options.data_seed)
 
     def _problem(self, rng: random.Random) -> tuple[list[int], list[str]]:
         o = self.options
@@ -173,9 +172,8 @@ class CalcEnvironment:
                 yield task
 
     def eval_tasks(self, n: int) -> list[Task]:
-        """The first n held-out problems (duplicates allowed, as drawn)."""
-        stream = self._stream(self.seed + self.options.eval_seed_offset, "eval", heldout=True)
-        return [next(stream) for _ in range(n)]
+        """The first n distinct held-out problems drawn with `data_seed`: the same for every train.seed."""
+        return distinct_tasks(self._stream(self.options.data_seed + self.options.eval_seed_offset, "eval", True), n)
 
     def train_tasks(self) -> Iterator[Task]:
         """Endless seeded stream of problems outside the held-out split."""

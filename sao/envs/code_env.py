@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import hashlib
 import random
 import re
 import weakref
@@ -34,9 +33,10 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from sao.envs.base import EnvOptions, EpisodeContext, Message, StepResult, register_environment
+from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
 from sao.envs.dataset import hash_split, read_rows
 from sao.envs.sandbox import SandboxLimits, SandboxResult, run_tests_async
+from sao.envs.splits import SplitOptions, distinct_tasks, is_heldout
 from sao.types import Task
 
 RUN, SUBMIT = "<run_tests>", "<submit>"
@@ -67,7 +67,7 @@ LEVEL3 = [
 _SWAPS = [(" + ", " - "), (" - ", " + "), (" * ", " + "), ("max(", "min("), ("min(", "max("), (" > ", " < ")]
 
 
-class CodeOptions(EnvOptions):
+class CodeOptions(SplitOptions):
     min_level: int = Field(1, ge=1, le=3, description="generator: easiest level (1 one-liners, 2 fix the bug, 3 "
                                                       "conditionals and comprehensions)")
     max_level: int = Field(3, ge=1, le=3, description="generator: hardest level")
@@ -88,9 +88,8 @@ class CodeOptions(EnvOptions):
     starter_field: str = Field("starter", min_length=1, description="JSONL: optional starter code shown in the prompt")
     solution_field: str = Field("solution", min_length=1, description="JSONL: optional reference solution (for demos)")
     id_field: str | None = Field("id", description="JSONL: optional task id (default: file stem and row number)")
-    heldout_fraction: float = Field(0.1, gt=0, lt=1, description="share of tasks held out (hash of the prompt)")
-    data_seed: int = Field(0, description="seed of the JSONL hash split; not train.seed")
-    eval_seed_offset: int = Field(1_000_003, description="generator: held-out tasks use seed + this offset")
+    eval_seed_offset: int = Field(1_000_003, description="generator: held-out tasks are drawn with data_seed + this "
+                                                         "offset")
 
     @model_validator(mode="after")
     def _ranges(self) -> CodeOptions:
@@ -343,9 +342,8 @@ class CodeEnvironment:
             return await run_tests_async(code, tests, self.limits)
 
     def is_heldout(self, prompt: str) -> bool:
-        """A fixed split by seed: one prompt in ten is held out, whatever the inputs drawn."""
-        digest = hashlib.sha256(f"{self.seed}:{prompt}".encode()).digest()
-        return digest[0] % 10 == 0
+        """A fixed split by `data_seed` (not train.seed): `heldout_fraction` of prompts, whatever inputs are drawn."""
+        return is_heldout(prompt, self.options.heldout_fraction, self.options.data_seed)
 
     def _stream(self, seed: int, split: str, heldout: bool) -> Iterator[Task]:
         rng = random.Random(seed)
@@ -358,11 +356,11 @@ class CodeEnvironment:
                 yield task
 
     def eval_tasks(self, n: int) -> list[Task]:
-        """The first n held-out tasks (a file's held-out tasks cycle when there are fewer)."""
+        """n held-out tasks, the same for every train.seed. The generator has a few hundred distinct
+        prompts, so its held-out ones (~40 at the defaults) repeat in turn, as a file's do."""
         if self.options.path is not None:
             return [self.heldout_file[i % len(self.heldout_file)] for i in range(n)]
-        stream = self._stream(self.seed + self.options.eval_seed_offset, "eval", heldout=True)
-        return [next(stream) for _ in range(n)]
+        return distinct_tasks(self._stream(self.options.data_seed + self.options.eval_seed_offset, "eval", True), n)
 
     def train_tasks(self) -> Iterator[Task]:
         """Endless seeded stream of tasks outside the held-out split."""

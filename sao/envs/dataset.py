@@ -24,7 +24,6 @@ optional imports: a missing library is reported with the extra to install (`pip 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from sao.envs.base import EnvOptions
+from sao.envs.splits import is_heldout
 from sao.types import Task
 
 Rows = list[dict[str, Any]]
@@ -176,12 +176,6 @@ def rows_to_tasks(rows: Rows, options: DatasetOptions, source: str) -> list[Task
         task_id = str(_field(row, options.id_field, "id_field", where)) if options.id_field else f"{stem}-{i}"
         tasks.append(Task(id=task_id, prompt=str(prompt), answer=answer, meta={"source": source, "row": i}))
     return tasks
-
-
-def is_heldout(key: str, fraction: float, seed: int) -> bool:
-    """Hash split: uniform in [0, 1) from sha256(seed:key), held out below `fraction`."""
-    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") < fraction * 2**64
 
 
 def hash_split(tasks: list[Task], fraction: float, seed: int, by_id: bool = False) -> tuple[list[Task], list[Task]]:

@@ -16,14 +16,14 @@ as per-style choice rates (train batches and held-out evaluations).
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sao.envs.base import EnvOptions, EpisodeContext, Message, StepResult, register_environment
+from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
+from sao.envs.splits import SplitOptions, is_heldout
 from sao.types import Task
 
 _STYLE = re.compile(r"<style>(.*?)</style>", re.S)
@@ -53,7 +53,8 @@ def _default_phases() -> list[Phase]:
             Phase(start=200, rewarded="classical", candidates=["classical", "plain", "pirate", "formal"])]
 
 
-class StyleShiftOptions(EnvOptions):
+class StyleShiftOptions(SplitOptions):
+    heldout_fraction: float = Field(0.2, gt=0, lt=1, description="share of the 100 sums a+b held out (hash split)")
     phases: list[Phase] = Field(default_factory=_default_phases, min_length=1, description="reward schedule")
     pool: list[str] = Field(default_factory=lambda: list(POOL), description="styles SFT demos draw candidates from")
     demo_candidates: int = Field(4, ge=2, description="candidates listed in an SFT demo prompt")
@@ -109,8 +110,8 @@ class StyleShiftEnvironment:
     def __init__(self, options: StyleShiftOptions, seed: int = 0):
         self.options, self.seed = options, seed
 
-    def _heldout(self, problem: str) -> bool:
-        return hashlib.sha256(f"{self.seed}:{problem}".encode()).digest()[0] % 5 == 0
+    def _heldout(self, problem: str) -> bool:  # by data_seed, not train.seed: one held-out set for every run
+        return is_heldout(problem, self.options.heldout_fraction, self.options.data_seed)
 
     def _stream(self, seed: int, split: str, heldout: bool) -> Iterator[Task]:
         rng, i, m = random.Random(seed), 0, self.options.max_operand
@@ -124,7 +125,8 @@ class StyleShiftEnvironment:
         return self._stream(self.seed, "train", heldout=False)
 
     def eval_tasks(self, n: int) -> list[Task]:
-        stream = self._stream(self.seed + 7919, "eval", heldout=True)
+        # ~20 distinct sums are held out; repeats are kept, each with its own order of the candidates
+        stream = self._stream(self.options.data_seed + 7919, "eval", heldout=True)
         return [next(stream) for _ in range(n)]
 
     def new_episode(self, ctx: EpisodeContext) -> StyleShiftEpisode:

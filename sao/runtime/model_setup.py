@@ -15,13 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sao.config import Config, ConfigError
+from sao.envs import make_environment
 from sao.models.chat import ChatCodec
 from sao.models.tiny import build_tiny_model, load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.runtime.preflight import model_path_of
 from sao.trainer.sft import Example, sft_train
 
-SFT_FORMAT = 1  # bump when the demo tokenization or SFT recipe changes
+SFT_FORMAT = 2  # bump when the demo tokenization, SFT recipe or held-out split changes (2: split by data_seed)
 
 
 def demo_example(codec: ChatCodec, messages: list[dict[str, str]]) -> Example:
@@ -60,6 +61,8 @@ def prepare_base_model(cfg: Config, environment, on_step: Callable[[int, float],
     build_tiny_model(tmp, m.arch, m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size,
                      m.max_positions, seed=cfg.sft.seed)
     model, codec = load_model(tmp), ChatCodec(load_tokenizer(tmp))
+    # demos drawn with sft.seed: the cached model must not depend on the train.seed of the run that built it
+    environment = make_environment(cfg.env.name, cfg.env.options, cfg.sft.seed)
     tasks = environment.train_tasks()
 
     def sample(rng: random.Random) -> Example:

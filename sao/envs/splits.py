@@ -1,0 +1,48 @@
+"""Held-out splits shared by every environment: a hash of the prompt with a fixed data seed.
+
+Which tasks are held out depends on the task and `data_seed` only, never on the run's `train.seed`.
+Runs with different training seeds therefore share one held-out set, and the SFT warm start (cached
+once, whatever `train.seed` the run that built it had) never trains on any run's held-out tasks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+from pydantic import Field
+
+from sao.envs.base import EnvOptions
+from sao.types import Task
+
+
+class SplitOptions(EnvOptions):
+    """Options of an environment that generates its tasks and holds some out."""
+
+    heldout_fraction: float = Field(0.1, gt=0, lt=1, description="share of distinct prompts held out (hash split)")
+    data_seed: int = Field(0, description="seed of the held-out split and of the held-out tasks drawn; not "
+                                          "train.seed, so runs with different training seeds share one held-out set")
+
+
+def is_heldout(key: str, fraction: float, seed: int) -> bool:
+    """Hash split: uniform in [0, 1) from sha256(seed:key), held out below `fraction`."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64
+
+
+def distinct_tasks(stream: Iterator[Task], n: int, patience: int = 5000) -> list[Task]:
+    """n held-out tasks with distinct prompts, in order of first appearance in `stream`.
+
+    A generator may have fewer distinct held-out prompts than n (no new one in `patience` draws); then
+    all of them are returned, repeated in turn up to n, so each one is evaluated equally often (the
+    evaluation reports `distinct_tasks`)."""
+    seen: dict[str, Task] = {}
+    misses = 0
+    while len(seen) < n and misses < patience:
+        task = next(stream)
+        if task.prompt in seen:
+            misses += 1
+        else:
+            seen[task.prompt], misses = task, 0
+    unique = list(seen.values())
+    return [unique[i % len(unique)] for i in range(n)]
