@@ -136,8 +136,8 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     ns = ap.parse_args()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    # a smaller actor step than calc's default: the style choice saturates within a phase otherwise
-    common = ["env.name=style_shift", f"train.steps={ns.steps}", "train.lr=2e-4", "eval.every=25",
+    # the actor lr is style_shift's own default (2e-4, its config_defaults), like every other setting
+    common = ["env.name=style_shift", f"train.steps={ns.steps}", "eval.every=25",
               "eval.num_tasks=100", "output.root=runs/bench", *ns.overrides]
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)

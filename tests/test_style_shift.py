@@ -93,3 +93,15 @@ def test_benchmark_median_counts_unrecovered_runs_as_slowest():
     assert bench.median_or_none([30, None, 10]) == 30.0
     assert bench.median_or_none([None, None, 10]) is None
     assert bench.median_or_none([4, 8]) == 4.0  # lower median of an even count
+
+
+def test_style_shift_recommends_a_smaller_actor_lr_unless_the_user_sets_one():
+    from sao.config import load_config
+    from sao.runtime.preflight import preflight
+
+    cfg = load_config(None, ["env.name=style_shift"])
+    preflight(cfg)
+    assert cfg.train.lr == 2e-4
+    cfg = load_config(None, ["env.name=style_shift", "train.lr=5e-4"])
+    preflight(cfg)
+    assert cfg.train.lr == 5e-4
