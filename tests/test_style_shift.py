@@ -105,3 +105,13 @@ def test_style_shift_recommends_a_smaller_actor_lr_unless_the_user_sets_one():
     cfg = load_config(None, ["env.name=style_shift", "train.lr=5e-4"])
     preflight(cfg)
     assert cfg.train.lr == 5e-4
+
+
+def test_a_split_with_an_empty_side_is_an_error_naming_the_option_not_a_hang():
+    from sao.config import load_config
+    from sao.runtime.preflight import preflight
+
+    # four sums (0..1 + 0..1), none of which data_seed 2 holds out at the default fraction
+    cfg = load_config(None, ["env.name=style_shift", "env.options.max_operand=1", "env.options.data_seed=2"])
+    with pytest.raises(ValueError, match=r"^env\.options\.heldout_fraction: no held-out task in \d+ draws"):
+        preflight(cfg)

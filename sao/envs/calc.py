@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
-from sao.envs.splits import SplitOptions, distinct_tasks, is_heldout
+from sao.envs.splits import SplitOptions, distinct_tasks, is_heldout, split_side
 from sao.types import Task
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -164,12 +164,7 @@ class CalcEnvironment:
 
     def _stream(self, seed: int, split: str, heldout: bool) -> Iterator[Task]:
         rng = random.Random(seed)
-        i = 0
-        while True:
-            task = self._task(rng, split, i)
-            if self.is_heldout(task.prompt) == heldout:
-                i += 1
-                yield task
+        return split_side(lambda: self._task(rng, split, 0), heldout, self.is_heldout, f"calc-{split}")
 
     def eval_tasks(self, n: int) -> list[Task]:
         """The first n distinct held-out problems drawn with `data_seed`: the same for every train.seed."""

@@ -36,7 +36,7 @@ from pydantic import Field, model_validator
 from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
 from sao.envs.dataset import hash_split, read_rows
 from sao.envs.sandbox import SandboxLimits, SandboxResult, run_tests_async
-from sao.envs.splits import SplitOptions, distinct_tasks, is_heldout
+from sao.envs.splits import SplitOptions, distinct_tasks, is_heldout, split_side
 from sao.types import Task
 
 RUN, SUBMIT = "<run_tests>", "<submit>"
@@ -348,13 +348,7 @@ class CodeEnvironment:
 
     def _stream(self, seed: int, split: str, heldout: bool) -> Iterator[Task]:
         rng = random.Random(seed)
-        i = 0
-        while True:
-            task = generate_task(rng, self.options)
-            if self.is_heldout(task.prompt) == heldout:
-                task.id = f"code-{split}-{i}"
-                i += 1
-                yield task
+        return split_side(lambda: generate_task(rng, self.options), heldout, self.is_heldout, f"code-{split}")
 
     def eval_tasks(self, n: int) -> list[Task]:
         """n held-out tasks, the same for every train.seed. The generator has a few hundred distinct

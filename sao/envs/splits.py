@@ -8,7 +8,8 @@ once, whatever `train.seed` the run that built it had) never trains on any run's
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator
 
 from pydantic import Field
 
@@ -30,7 +31,27 @@ def is_heldout(key: str, fraction: float, seed: int) -> bool:
     return int.from_bytes(digest[:8], "big") < fraction * 2**64
 
 
-def distinct_tasks(stream: Iterator[Task], n: int, patience: int = 5000) -> list[Task]:
+def split_side(draw: Callable[[], Task], heldout: bool, held: Callable[[str], bool], prefix: str,
+               limit: int = 100_000) -> Iterator[Task]:
+    """Endless stream of generated tasks on one side of the split, numbered `prefix-0, prefix-1, ...`.
+
+    A small problem space with an extreme `heldout_fraction` (or an unlucky `data_seed`) can leave a
+    side empty; after `limit` draws in a row on the other side this raises an error naming the option
+    instead of looping forever."""
+    misses = 0
+    for i in itertools.count():
+        while held((task := draw()).prompt) != heldout:
+            misses += 1
+            if misses >= limit:
+                side = "held-out" if heldout else "training"
+                raise ValueError(f"env.options.heldout_fraction: no {side} task in {limit} draws; the problem space "
+                                 "is too small for this split (change heldout_fraction or data_seed)")
+        misses = 0
+        task.id = f"{prefix}-{i}"
+        yield task
+
+
+def distinct_tasks(stream: Iterator[Task], n: int, patience: int = 1000) -> list[Task]:
     """n held-out tasks with distinct prompts, in order of first appearance in `stream`.
 
     A generator may have fewer distinct held-out prompts than n (no new one in `patience` draws); then

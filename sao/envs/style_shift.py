@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
-from sao.envs.splits import SplitOptions, is_heldout
+from sao.envs.splits import SplitOptions, is_heldout, split_side
 from sao.types import Task
 
 _STYLE = re.compile(r"<style>(.*?)</style>", re.S)
@@ -118,18 +118,20 @@ class StyleShiftEnvironment:
         return is_heldout(problem, self.options.heldout_fraction, self.options.data_seed)
 
     def _stream(self, seed: int, split: str, heldout: bool) -> Iterator[Task]:
-        rng, i, m = random.Random(seed), 0, self.options.max_operand
-        while True:
+        rng, m = random.Random(seed), self.options.max_operand
+
+        def draw() -> Task:
             a, b = rng.randint(0, m), rng.randint(0, m)
-            if self._heldout(f"{a}+{b}") == heldout:
-                yield Task(id=f"style-{split}-{i}", prompt=f"{a}+{b}", answer=a + b)
-                i += 1
+            return Task(id="", prompt=f"{a}+{b}", answer=a + b)
+
+        return split_side(draw, heldout, self._heldout, f"style-{split}")
 
     def train_tasks(self) -> Iterator[Task]:
         return self._stream(self.seed, "train", heldout=False)
 
     def eval_tasks(self, n: int) -> list[Task]:
-        # ~20 distinct sums are held out; repeats are kept, each with its own order of the candidates
+        # ~24 distinct sums are held out at the defaults; repeats are kept (at random, as drawn), each
+        # with its own id and so its own order of the candidates
         stream = self._stream(self.options.data_seed + 7919, "eval", heldout=True)
         return [next(stream) for _ in range(n)]
 

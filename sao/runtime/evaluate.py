@@ -48,6 +48,6 @@ def evaluate(model, codec: ChatCodec, environment, tasks: list[Task], limits: Ep
     keys = sorted({k for t in trajs for k in t.metrics})
     metrics = {k: sum(t.metrics.get(k, 0.0) for t in trajs) / len(trajs) for k in keys}
     metrics["turns"] = sum(t.turns for t in trajs) / len(trajs)
-    metrics["distinct_tasks"] = float(len({t.id for t in tasks}))  # fewer than n when the held-out set repeats
+    metrics["distinct_tasks"] = float(len({t.prompt for t in tasks}))  # fewer than n when held-out problems repeat
     solved = [t.reward if t.status == Status.OK else 0.0 for t in trajs]
     return EvalResult(sum(solved) / len(trajs), len(trajs), statuses, metrics, trajs)

@@ -39,6 +39,8 @@ def preflight(cfg: Config):
     get_algorithm(cfg.algo.name)
     environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
     apply_env_defaults(cfg, environment)
+    environment.eval_tasks(1)  # a split with an empty side fails here, before anything is written
+    next(iter(environment.train_tasks()))
     model_path_of(cfg)
     if cfg.critic.path and not (Path(cfg.critic.path) / "config.json").is_file():
         raise ConfigError(f"critic.path: {cfg.critic.path!r} is not a model folder (no config.json)")
