@@ -149,13 +149,15 @@ def test_jsonl_tasks(tmp_path):
     env = _env(path=_write(tmp_path / "t.jsonl", rows), heldout_fraction=0.2)
     held = env.eval_tasks(3)
     assert held[0].id.startswith("t") and "```python\ndef g(x):\n    pass\n```" in held[0].prompt
-    assert not {t.id for t in env.train_file} & {t.id for t in env.heldout_file}
+    split = env.file
+    assert len(split.train) + len(split.heldout) == 40 and split.train and split.heldout
+    assert all(env.is_heldout(t.prompt) for t in split.heldout) and not any(env.is_heldout(t.prompt) for t in split.train)
     assert _play(env, held[0], [_fenced(held[0].meta["reference"])])[0].reward == 1.0
     assert env.demo(held[0], random.Random(0))[-1]["content"].startswith("<submit>")
     custom = [{"q": f"Write h{i}().", "checks": "assert h() == 2"} for i in range(30)]
     env = _env(path=_write(tmp_path / "c.jsonl", custom), prompt_field="q", tests_field="checks", id_field=None,
                heldout_fraction=0.5)
-    assert env.train_file[0].answer == ["assert h() == 2"]
+    assert env.file.train[0].answer == ["assert h() == 2"]
 
 
 @pytest.mark.parametrize("rows, message", [

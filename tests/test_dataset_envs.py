@@ -136,6 +136,10 @@ def test_datasets_folder_and_named_splits(tmp_path):
     assert (len(named.train), len(named.heldout)) == (150, 50)
     with pytest.raises(ValueError, match=r"^env\.options\.heldout_split: split 'test' not in .*\(splits: train, valid"):
         _split(path=str(tmp_path / "dict"))
+    # a held-out file saved as a DatasetDict: its heldout_split is read, not its train split
+    DatasetDict({"test": Dataset.from_list(ROWS[150:])}).save_to_disk(str(tmp_path / "held"))
+    files = _split(path=str(tmp_path / "dict"), heldout_path=str(tmp_path / "held"))
+    assert (len(files.train), len(files.heldout)) == (150, 50)
 
 
 def test_missing_optional_libraries_name_the_extra(tmp_path, monkeypatch):

@@ -115,3 +115,11 @@ def test_a_split_with_an_empty_side_is_an_error_naming_the_option_not_a_hang():
     cfg = load_config(None, ["env.name=style_shift", "env.options.max_operand=1", "env.options.data_seed=2"])
     with pytest.raises(ValueError, match=r"^env\.options\.heldout_fraction: no held-out task in \d+ draws"):
         preflight(cfg)
+
+
+def test_held_out_sums_do_not_depend_on_the_training_seed():
+    a, b = make_environment("style_shift", {}, seed=0), make_environment("style_shift", {}, seed=5)
+    held = [t.prompt for t in a.eval_tasks(50)]
+    assert held == [t.prompt for t in b.eval_tasks(50)]
+    train = b.train_tasks()
+    assert not {next(train).prompt for _ in range(500)} & set(held)

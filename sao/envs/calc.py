@@ -156,15 +156,15 @@ class CalcEnvironment:
             operands.append(rng.randint(0 if d == 1 else 10 ** (d - 1), 10**d - 1))
         return operands, [rng.choice(o.ops) for _ in range(n_ops)]
 
-    def _task(self, rng: random.Random, split: str, index: int) -> Task:
+    def _task(self, rng: random.Random) -> Task:
         operands, ops = self._problem(rng)
         text = str(operands[0]) + "".join(f"{op}{x}" for op, x in zip(ops, operands[1:]))
         meta = {"operands": operands, "ops": ops, "easy": is_easy(operands)}
-        return Task(id=f"calc-{split}-{index}", prompt=text, answer=evaluate(text), meta=meta)
+        return Task(id="", prompt=text, answer=evaluate(text), meta=meta)  # split_side numbers it
 
     def _stream(self, seed: int, split: str, heldout: bool) -> Iterator[Task]:
         rng = random.Random(seed)
-        return split_side(lambda: self._task(rng, split, 0), heldout, self.is_heldout, f"calc-{split}")
+        return split_side(lambda: self._task(rng), heldout, self.is_heldout, f"calc-{split}")
 
     def eval_tasks(self, n: int) -> list[Task]:
         """The first n distinct held-out problems drawn with `data_seed`: the same for every train.seed."""

@@ -34,8 +34,8 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
-from sao.envs.dataset import hash_split, read_rows
-from sao.envs.sandbox import SandboxLimits, SandboxResult, run_tests_async
+from sao.envs.dataset import TaskSplit, check_split, hash_split, option_error, read_rows
+from sao.envs.sandbox import SandboxLimits, SandboxResult, one_line, run_tests_async
 from sao.envs.splits import SplitOptions, distinct_tasks, is_heldout, split_side
 from sao.types import Task
 
@@ -192,24 +192,19 @@ def with_got(test: str) -> str:
     return ast.unparse(tree)
 
 
-def _short(text: str, limit: int = 80) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def describe(result: SandboxResult, tests: list[str], options: CodeOptions) -> str:
     """A short, readable observation of one sandbox run: the count, then the first failures."""
     if result.status not in ("passed", "failed"):
-        return _short(f"{result.status}: {result.reason}", options.observation_chars)
+        return one_line(f"{result.status}: {result.reason}", options.observation_chars)
     failures = {m.group(1): (m.group(2), m.group(3).strip()) for m in _FAILURE.finditer(result.output)}
     if "solution" in failures:  # it did not compile or raised on load: no test ran
-        return _short(f"error: {failures['solution'][1]}", options.observation_chars)
+        return one_line(f"error: {failures['solution'][1]}", options.observation_chars)
     lines = [f"{result.passed}/{result.total} passed"]
     for number, message in list(failures.values())[: options.max_failures_shown]:
         if number is None:
             continue
         detail = message.removeprefix("AssertionError: ") if message.startswith("AssertionError: got ") else message
-        lines.append(f"FAIL {_short(tests[int(number) - 1], 60)} ({_short(detail, 50)})")
+        lines.append(f"FAIL {one_line(tests[int(number) - 1], 60)} ({one_line(detail, 50)})")
     return "\n".join(lines)[: options.observation_chars]
 
 
@@ -226,11 +221,13 @@ class CodeEpisode:
         self.environment = environment
         self.options = environment.options
         self.tests: list[str] = []
+        self.wrapped: list[str] = []
         self.last_code: str | None = None
         self.counts = {"run_tests_calls": 0, "format_errors": 0}
 
     def reset(self, task: Task) -> list[Message]:
         self.tests = list(task.answer)
+        self.wrapped = [with_got(t) for t in self.tests]  # run_tests variants that report the value got
         return [{"role": "user", "content": task.prompt}]
 
     async def step(self, action: str) -> StepResult:
@@ -244,8 +241,7 @@ class CodeEpisode:
         self.last_code = code
         if kind == "run":
             self.counts["run_tests_calls"] += 1
-            wrapped = [with_got(t) for t in self.tests]
-            result = await self.environment.sandbox(code, wrapped)
+            result = await self.environment.sandbox(code, self.wrapped)
             return StepResult(describe(result, self.tests, self.options), info=dict(self.counts))
         return self._final(await self.environment.sandbox(code, self.tests))
 
@@ -265,14 +261,10 @@ class CodeEpisode:
 # ---------------------------------------------------------------- the environment
 
 
-def _fail(option: str, message: str) -> ValueError:
-    return ValueError(f"env.options.{option}: {message}")
-
-
 def _row_field(row: dict, name: str, where: str, required: bool) -> Any:
     value = row.get(name)
     if required and (value is None or (isinstance(value, str) and not value.strip())):
-        raise _fail("path", f"{where}: field {name!r} missing or empty (fields: {', '.join(sorted(map(str, row)))})")
+        raise option_error("path", f"{where}: field {name!r} missing or empty (fields: {', '.join(sorted(map(str, row)))})")
     return value
 
 
@@ -280,7 +272,7 @@ def load_code_tasks(options: CodeOptions) -> list[Task]:
     """Tasks of a JSONL file: statement (+ starter code), tests, optional solution and id."""
     rows = read_rows(options.path, "jsonl", "path")
     if not rows:
-        raise _fail("path", f"{options.path!r} has no rows")
+        raise option_error("path", f"{options.path!r} has no rows")
     tasks = []
     for i, row in enumerate(rows):
         where = f"{options.path!r} row {i + 1}"
@@ -291,7 +283,7 @@ def load_code_tasks(options: CodeOptions) -> list[Task]:
         tests = _row_field(row, options.tests_field, where, True)
         tests = [tests] if isinstance(tests, str) else tests
         if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
-            raise _fail("path", f"{where}: field {options.tests_field!r} must be a test string or a list of them")
+            raise option_error("path", f"{where}: field {options.tests_field!r} must be a test string or a list of them")
         starter = _row_field(row, options.starter_field, where, False)
         if starter:
             prompt = f"{prompt}\n```python\n{str(starter).strip()}\n```"
@@ -326,19 +318,17 @@ class CodeEnvironment:
         self.seed = seed
         self.limits = SandboxLimits(cpu_s=options.timeout_s, wall_s=options.timeout_s, memory_mb=options.memory_mb)
         self._gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one semaphore per event loop
-        self.train_file: list[Task] = []
-        self.heldout_file: list[Task] = []
+        self.file: TaskSplit | None = None  # tasks of a JSONL file, split by data_seed
         if options.path is not None:
-            tasks = load_code_tasks(options)
-            self.train_file, self.heldout_file = hash_split(tasks, options.heldout_fraction, options.data_seed)
-            if not self.train_file or not self.heldout_file:
-                side = "training" if not self.train_file else "held-out"
-                raise _fail("heldout_fraction", f"no {side} tasks among the {len(tasks)} rows of {options.path!r}")
+            self.file = TaskSplit(*hash_split(load_code_tasks(options), options.heldout_fraction, options.data_seed))
+            check_split(self.file.train, self.file.heldout, "hash", options)
 
     async def sandbox(self, code: str, tests: list[str]) -> SandboxResult:
         """Run code against tests; at most `max_parallel` sandboxes at once on this event loop."""
         loop = asyncio.get_running_loop()
-        gate = self._gates.setdefault(loop, asyncio.Semaphore(self.options.max_parallel))
+        if loop not in self._gates:
+            self._gates[loop] = asyncio.Semaphore(self.options.max_parallel)
+        gate = self._gates[loop]
         async with gate:
             return await run_tests_async(code, tests, self.limits)
 
@@ -353,14 +343,14 @@ class CodeEnvironment:
     def eval_tasks(self, n: int) -> list[Task]:
         """n held-out tasks, the same for every train.seed. The generator has a few hundred distinct
         prompts, so its held-out ones (30 at the defaults) repeat in turn, as a file's do."""
-        if self.options.path is not None:
-            return [self.heldout_file[i % len(self.heldout_file)] for i in range(n)]
+        if self.file is not None:
+            return self.file.eval_tasks(n)
         return distinct_tasks(self._stream(self.options.data_seed + self.options.eval_seed_offset, "eval", True), n)
 
     def train_tasks(self) -> Iterator[Task]:
         """Endless seeded stream of tasks outside the held-out split."""
-        if self.options.path is not None:
-            return _cycle_shuffled(self.train_file, self.seed)
+        if self.file is not None:
+            return self.file.train_stream(self.seed)
         return self._stream(self.seed, "train", heldout=False)
 
     def new_episode(self, ctx: EpisodeContext) -> CodeEpisode:
@@ -370,7 +360,7 @@ class CodeEnvironment:
         """A solved episode for SFT: submit the reference, or run the tests on it first, then submit."""
         reference = task.meta.get("reference")
         if not reference:
-            raise _fail("solution_field", f"task {task.id!r} has no reference solution for the SFT demos; "
+            raise option_error("solution_field", f"task {task.id!r} has no reference solution for the SFT demos; "
                                           "add one or give model.path")
         block = f"```python\n{reference}\n```"
         messages: list[Message] = [{"role": "user", "content": task.prompt}]
@@ -381,14 +371,6 @@ class CodeEnvironment:
         else:
             messages.append({"role": "assistant", "content": f"{SUBMIT}{block}"})
         return messages
-
-
-def _cycle_shuffled(tasks: list[Task], seed: int) -> Iterator[Task]:
-    rng = random.Random(seed)
-    order = list(tasks)
-    while True:
-        rng.shuffle(order)
-        yield from order
 
 
 register_environment("code", CodeEnvironment)

@@ -33,15 +33,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from sao.envs.base import EnvOptions
-from sao.envs.splits import is_heldout
+from sao.envs.splits import SplitOptions, is_heldout
 from sao.types import Task
 
 Rows = list[dict[str, Any]]
 EXTRA = "pip install sao[tasks]"
 
 
-class DatasetOptions(EnvOptions):
+class DatasetOptions(SplitOptions):  # heldout_fraction, data_seed: the hash split
     path: str | None = Field(None, description="tasks file: .jsonl, .parquet, or a folder saved by Dataset.save_to_disk")
     format: Literal["auto", "jsonl", "parquet", "datasets"] = Field(
         "auto", description="file format; auto: by suffix (.jsonl/.json, .parquet) or a folder for datasets")
@@ -52,8 +51,6 @@ class DatasetOptions(EnvOptions):
     split_field: str | None = Field(None, description="column naming each row's split (see train_split, heldout_split)")
     train_split: str = Field("train", description="split name of training rows (split_field value or DatasetDict key)")
     heldout_split: str = Field("test", description="split name of held-out rows (split_field value or DatasetDict key)")
-    heldout_fraction: float = Field(0.1, gt=0, lt=1, description="hash split: fraction of rows held out")
-    data_seed: int = Field(0, description="seed of the hash split (and of generated tasks); not train.seed")
     limit: int | None = Field(None, ge=1, description="use only the first N rows of each file (quick experiments)")
 
 
@@ -78,7 +75,8 @@ class TaskSplit:
         return [self.heldout[i % len(self.heldout)] for i in range(n)]
 
 
-def _fail(option: str, message: str) -> ValueError:
+def option_error(option: str, message: str) -> ValueError:
+    """The error of a bad `env.options.<option>` (the CLI prints it on one line and exits with code 2)."""
     return ValueError(f"env.options.{option}: {message}")
 
 
@@ -91,7 +89,7 @@ def detect_format(path: Path, fmt: str, option: str) -> str:
         return "jsonl"
     if path.suffix == ".parquet":
         return "parquet"
-    raise _fail("format", f"cannot tell the format of {str(path)!r} from its suffix; set format to jsonl, parquet "
+    raise option_error("format", f"cannot tell the format of {str(path)!r} from its suffix; set format to jsonl, parquet "
                           f"or datasets (for {option})")
 
 
@@ -104,9 +102,9 @@ def read_jsonl(path: Path, option: str) -> Rows:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise _fail(option, f"{str(path)!r} line {n}: invalid JSON ({exc.msg})") from None
+                raise option_error(option, f"{str(path)!r} line {n}: invalid JSON ({exc.msg})") from None
             if not isinstance(row, dict):
-                raise _fail(option, f"{str(path)!r} line {n}: expected one JSON object per line")
+                raise option_error(option, f"{str(path)!r} line {n}: expected one JSON object per line")
             rows.append(row)
     return rows
 
@@ -115,11 +113,11 @@ def read_parquet(path: Path, option: str) -> Rows:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise _fail("format", f"reading Parquet ({str(path)!r}) needs pyarrow; {EXTRA}") from None
+        raise option_error("format", f"reading Parquet ({str(path)!r}) needs pyarrow; {EXTRA}") from None
     try:
         return pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises its own error types for corrupt or non-Parquet files
-        raise _fail(option, f"{str(path)!r} is not a readable Parquet file ({type(exc).__name__})") from None
+        raise option_error(option, f"{str(path)!r} is not a readable Parquet file ({type(exc).__name__})") from None
 
 
 def read_datasets_dir(path: Path, option: str) -> Rows | dict[str, Rows]:
@@ -127,11 +125,11 @@ def read_datasets_dir(path: Path, option: str) -> Rows | dict[str, Rows]:
     try:
         from datasets import Dataset, load_from_disk
     except ImportError:
-        raise _fail("format", f"reading a datasets folder ({str(path)!r}) needs the datasets library; {EXTRA}") from None
+        raise option_error("format", f"reading a datasets folder ({str(path)!r}) needs the datasets library; {EXTRA}") from None
     try:
         ds = load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as exc:
-        raise _fail(option, f"{str(path)!r} is not a folder saved by Dataset.save_to_disk ({exc})") from None
+        raise option_error(option, f"{str(path)!r} is not a folder saved by Dataset.save_to_disk ({exc})") from None
     if isinstance(ds, Dataset):
         return ds.to_list()
     return {name: part.to_list() for name, part in ds.items()}
@@ -141,10 +139,10 @@ def read_rows(path_text: str, fmt: str, option: str, limit: int | None = None) -
     """Rows of one file or folder (a dict of named splits for a saved DatasetDict)."""
     path = Path(path_text).expanduser()
     if not path.exists():
-        raise _fail(option, f"{path_text!r} not found")
+        raise option_error(option, f"{path_text!r} not found")
     kind = detect_format(path, fmt, option)
     if kind != "datasets" and path.is_dir():
-        raise _fail(option, f"{path_text!r} is a folder, not a {kind} file")
+        raise option_error(option, f"{path_text!r} is a folder, not a {kind} file")
     readers = {"jsonl": read_jsonl, "parquet": read_parquet, "datasets": read_datasets_dir}
     rows = readers[kind](path, option)
     if isinstance(rows, dict):
@@ -155,10 +153,10 @@ def read_rows(path_text: str, fmt: str, option: str, limit: int | None = None) -
 def _field(row: dict[str, Any], name: str, option: str, where: str) -> Any:
     if name not in row:
         fields = ", ".join(sorted(map(str, row))[:12])
-        raise _fail(option, f"field {name!r} not in {where} (fields: {fields})")
+        raise option_error(option, f"field {name!r} not in {where} (fields: {fields})")
     value = row[name]
     if value is None or (isinstance(value, str) and not value.strip()):
-        raise _fail(option, f"field {name!r} is empty in {where}")
+        raise option_error(option, f"field {name!r} is empty in {where}")
     return value
 
 
@@ -170,7 +168,7 @@ def rows_to_tasks(rows: Rows, options: DatasetOptions, source: str) -> list[Task
         where = f"{source!r} row {i + 1}"
         prompt = _field(row, options.prompt_field, "prompt_field", where)
         if not isinstance(prompt, (str, int, float)):
-            raise _fail("prompt_field", f"field {options.prompt_field!r} in {where} is a {type(prompt).__name__}, "
+            raise option_error("prompt_field", f"field {options.prompt_field!r} in {where} is a {type(prompt).__name__}, "
                                         "not text")
         answer = _field(row, options.answer_field, "answer_field", where)
         task_id = str(_field(row, options.id_field, "id_field", where)) if options.id_field else f"{stem}-{i}"
@@ -195,25 +193,26 @@ def _column_split(rows: Rows, options: DatasetOptions, source: str) -> tuple[Row
         parts.get(value, []).append(row)  # rows of other splits (e.g. validation) are left out
     for option, name in (("train_split", options.train_split), ("heldout_split", options.heldout_split)):
         if not parts[name]:
-            raise _fail(option, f"no rows of {source!r} have {field}={name!r} (values: {', '.join(sorted(seen)[:12])})")
+            raise option_error(option, f"no rows of {source!r} have {field}={name!r} (values: {', '.join(sorted(seen)[:12])})")
     return parts[options.train_split], parts[options.heldout_split]
 
 
 def _named_split(parts: dict[str, Rows], options: DatasetOptions, source: str) -> tuple[Rows, Rows]:
     if options.split_field:
-        raise _fail("split_field", f"{source!r} has named splits already ({', '.join(parts)}); "
+        raise option_error("split_field", f"{source!r} has named splits already ({', '.join(parts)}); "
                                    "use train_split and heldout_split")
     for option, name in (("train_split", options.train_split), ("heldout_split", options.heldout_split)):
         if name not in parts:
-            raise _fail(option, f"split {name!r} not in {source!r} (splits: {', '.join(parts)})")
+            raise option_error(option, f"split {name!r} not in {source!r} (splits: {', '.join(parts)})")
     return parts[options.train_split], parts[options.heldout_split]
 
 
-def _single(rows: Rows | dict[str, Rows], options: DatasetOptions, source: str, option: str) -> Rows:
+def _single(rows: Rows | dict[str, Rows], split: str, source: str, option: str) -> Rows:
+    """The rows of one file; from a `datasets` folder with named splits, those of `split`."""
     if isinstance(rows, dict):
-        if options.train_split not in rows:
-            raise _fail(option, f"split {options.train_split!r} not in {source!r} (splits: {', '.join(rows)})")
-        return rows[options.train_split]
+        if split not in rows:
+            raise option_error(option, f"split {split!r} not in {source!r} (splits: {', '.join(rows)})")
+        return rows[split]
     return rows
 
 
@@ -223,9 +222,10 @@ def split_rows(options: DatasetOptions) -> tuple[list[Task], list[Task], str]:
     rows = read_rows(source, options.format, "path", options.limit)
     if options.heldout_path:
         held_rows = read_rows(options.heldout_path, options.format, "heldout_path", options.limit)
-        train = rows_to_tasks(_single(rows, options, source, "path"), options, source)
+        train = rows_to_tasks(_single(rows, options.train_split, source, "path"), options, source)
         held_src = options.heldout_path
-        return train, rows_to_tasks(_single(held_rows, options, held_src, "heldout_path"), options, held_src), "file"
+        held = _single(held_rows, options.heldout_split, held_src, "heldout_path")
+        return train, rows_to_tasks(held, options, held_src), "file"
     if isinstance(rows, dict):
         train_rows, held_rows = _named_split(rows, options, source)
         return rows_to_tasks(train_rows, options, source), rows_to_tasks(held_rows, options, source), "named"
@@ -241,26 +241,26 @@ def check_split(train: list[Task], heldout: list[Task], how: str, options: Datas
     """Both sides must be non-empty: training needs tasks and evaluation divides by their number."""
     source, n_rows = options.path, len(train) + len(heldout)
     if not train and how == "hash" and n_rows:
-        raise _fail("heldout_fraction", f"no training tasks left among the {n_rows} rows of {source!r}; "
+        raise option_error("heldout_fraction", f"no training tasks left among the {n_rows} rows of {source!r}; "
                                         "lower heldout_fraction")
     if not train:
-        raise _fail("path" if how in ("hash", "file") else "train_split",
+        raise option_error("path" if how in ("hash", "file") else "train_split",
                     f"{source!r} has no rows" if how in ("hash", "file") else
                     f"split {options.train_split!r} of {source!r} is empty")
     if heldout:
         return
     if how == "hash":
-        raise _fail("heldout_fraction", f"no held-out tasks among the {n_rows} rows of {source!r}; "
+        raise option_error("heldout_fraction", f"no held-out tasks among the {n_rows} rows of {source!r}; "
                                         "raise heldout_fraction")
     if how == "file":
-        raise _fail("heldout_path", f"{options.heldout_path!r} has no rows")
-    raise _fail("heldout_split", f"split {options.heldout_split!r} of {source!r} is empty")
+        raise option_error("heldout_path", f"{options.heldout_path!r} has no rows")
+    raise option_error("heldout_split", f"split {options.heldout_split!r} of {source!r} is empty")
 
 
 def load_task_split(options: DatasetOptions) -> TaskSplit:
     """Read, check and split the tasks named by `options`; held-out order fixed by `data_seed`."""
     if not options.path:
-        raise _fail("path", "required: a .jsonl or .parquet file, or a folder saved by Dataset.save_to_disk")
+        raise option_error("path", "required: a .jsonl or .parquet file, or a folder saved by Dataset.save_to_disk")
     train, heldout, how = split_rows(options)
     check_split(train, heldout, how, options)
     heldout = list(heldout)

@@ -320,19 +320,19 @@ def _classify(run: _Run, steps, forbidden, done, returncode, timed_out, output) 
     if sig == signal.SIGXFSZ:
         return "crashed", f"file size limit of {lim.max_file_mb} MB exceeded (SIGXFSZ)" + _during(missing)
     if steps.get("setup", ("ok",))[0] != "ok":
-        return "crashed", f"the setup code failed: {_line(steps['setup'][1])}"
+        return "crashed", f"the setup code failed: {one_line(steps['setup'][1])}"
     if missing or not done:
         how = f"was killed by {signal.Signals(sig).name}" if sig in set(signal.Signals) else f"exited with code {returncode}"
         hint = "" if missing is None or returncode else " (sys.exit/os._exit do not pass tests)"
         first = output.strip().splitlines()[:1] if steps.get("setup") is None else []
         return "crashed", f"the program {how} before reporting {_title(missing or 'its end')}{hint}" + (
-            f": {_line(first[0])}" if first else "")
+            f": {one_line(first[0])}" if first else "")
     if steps["solution"][0] != "ok":
-        return "failed", f"the solution failed: {_line(steps['solution'][1])}"
+        return "failed", f"the solution failed: {one_line(steps['solution'][1])}"
     if not bad:
         return "passed", f"all {total} tests passed"
     step, (_, message) = bad[0]
-    return "failed", f"{len(bad)} of {total} tests failed; first: {_title(step)}: {_line(message)}"
+    return "failed", f"{len(bad)} of {total} tests failed; first: {_title(step)}: {one_line(message)}"
 
 
 def _title(step: str) -> str:
@@ -344,10 +344,11 @@ def _during(step: str | None) -> str:
 
 
 def _snippet(step: str, tests: list[str]) -> str:
-    return f": {_line(tests[int(step[4:]) - 1], 200)}" if step.startswith("test") else ""
+    return f": {one_line(tests[int(step[4:]) - 1], 200)}" if step.startswith("test") else ""
 
 
-def _line(text: str, limit: int = 300) -> str:
+def one_line(text: str, limit: int = 300) -> str:
+    """Whitespace collapsed to single spaces, cut to `limit` characters with "..."."""
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
