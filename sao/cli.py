@@ -68,7 +68,7 @@ def cmd_sft(ns) -> int:
 
     torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)
     progress = RunProgress(enabled=not ns.quiet)
-    path, built = prepare_base_model(cfg, environment, progress.sft_callback(cfg.sft.steps), force=ns.force)
+    path, built = prepare_base_model(cfg, progress.sft_callback(cfg.sft.steps), force=ns.force)
     print(f"{'built' if built else 'cached'} SFT model: {path}")
     return 0
 

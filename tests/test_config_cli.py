@@ -74,8 +74,9 @@ def test_flags_may_follow_overrides():
 
     ns, rest = build_parser().parse_known_args(["train", "a.b=1", "--quiet", "c.d=2"])
     assert ns.args == ["a.b=1"] and rest == ["c.d=2"] and ns.quiet
-    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--quiet", "algo.bad=1"], capture_output=True,
-                          text=True, timeout=120)
+    # an override after a flag reaches the config (argparse alone would reject it as unrecognized)
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", "algo.name=sao", "--quiet", "algo.bad=1"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "algo.bad: unknown key" in proc.stderr
 
 

@@ -43,7 +43,7 @@ def base_model_key(cfg: Config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def prepare_base_model(cfg: Config, environment, on_step: Callable[[int, float], None] | None = None,
+def prepare_base_model(cfg: Config, on_step: Callable[[int, float], None] | None = None,
                        force: bool = False) -> tuple[Path, bool]:
     """Return (path, built_now). Builds and SFT-trains the tiny model on a cache miss."""
     user = model_path_of(cfg)
@@ -52,6 +52,8 @@ def prepare_base_model(cfg: Config, environment, on_step: Callable[[int, float],
     out = Path(cfg.model.cache_dir) / f"tiny-{base_model_key(cfg)}"
     if (out / "sft.json").is_file() and not force:
         return out, False
+    # demos drawn with sft.seed: the cached model must not depend on the train.seed of the run that built it
+    environment = make_environment(cfg.env.name, cfg.env.options, cfg.sft.seed)
     if not hasattr(environment, "demo"):
         raise ConfigError(f"env.name: environment {cfg.env.name!r} has no demo() for the SFT warm start; "
                           "give model.path")
@@ -61,8 +63,6 @@ def prepare_base_model(cfg: Config, environment, on_step: Callable[[int, float],
     build_tiny_model(tmp, m.arch, m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size,
                      m.max_positions, seed=cfg.sft.seed)
     model, codec = load_model(tmp), ChatCodec(load_tokenizer(tmp))
-    # demos drawn with sft.seed: the cached model must not depend on the train.seed of the run that built it
-    environment = make_environment(cfg.env.name, cfg.env.options, cfg.sft.seed)
     tasks = environment.train_tasks()
 
     def sample(rng: random.Random) -> Example:

@@ -18,17 +18,16 @@ from sao.models.tiny import load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.runtime.model_setup import prepare_base_model
 from sao.runtime.preflight import preflight
-from sao.runtime.train import generate_batch, limits_of
+from sao.runtime.train import limits_of, usable_batch
 from sao.trainer.batch import collate
 from sao.trainer.critic_pretrain import fit_critic
-from sao.types import TRAINABLE, SamplingParams
 
 
 def pretrain_critic(cfg: Config, steps: int, out: Path, progress=None) -> dict:
     if out.exists():
         raise ConfigError(f"--out: {str(out)!r} exists already; choose another folder")
     environment = preflight(cfg)
-    model_path, _ = prepare_base_model(cfg, environment, on_step=progress.sft_callback(cfg.sft.steps) if progress else None)
+    model_path, _ = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps) if progress else None)
     codec = ChatCodec(load_tokenizer(model_path))
     actor = load_model(model_path)
     critic = build_critic(model_path)
@@ -39,9 +38,9 @@ def pretrain_critic(cfg: Config, steps: int, out: Path, progress=None) -> dict:
 
     def next_batch():
         torch.set_num_threads(cfg.runtime.rollout_threads)
-        trajs = generate_batch(engine, environment, codec, tasks, limits, cfg.train.batch_size, SamplingParams())
+        trajs, _ = usable_batch(engine, environment, codec, tasks, limits, cfg.train.batch_size)
         torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)
-        return collate([t for t in trajs if t.status in TRAINABLE and t.num_action_tokens], codec.tokenizer.pad_token_id)
+        return collate(trajs, codec.tokenizer.pad_token_id)
 
     def on_step(step: int, m: dict) -> None:
         if progress is not None:

@@ -74,6 +74,18 @@ def generate_batch(engine, environment, codec, tasks, limits, n: int, params: Sa
     return asyncio.run(go())
 
 
+def usable_batch(engine, environment, codec, tasks, limits, n: int, trainer_step: int = 0) -> tuple[list[Trajectory], int]:
+    """n trainable episodes (generating more while some fail or are empty) and the number that failed."""
+    batch: list[Trajectory] = []
+    failed = 0
+    while len(batch) < n:
+        got = generate_batch(engine, environment, codec, tasks, limits, n - len(batch), SamplingParams(), trainer_step)
+        usable = [t for t in got if t.status in TRAINABLE and t.num_action_tokens]
+        failed += len(got) - len(usable)
+        batch += usable
+    return batch, failed
+
+
 def parity_check(trainer_model, engine_model, codec, environment, limits, tol: float, n: int = 16,
                  seed: int = 0) -> float:
     """Max |engine log-prob - trainer log-prob| over sampled action tokens; raises above `tol`.
@@ -129,8 +141,7 @@ class Trainer:
         self.environment = preflight(cfg)  # every check that can fail on bad input, before anything is written
         self.run = RunDir.create(cfg)
         self.limits = limits_of(cfg)
-        self.model_path, _ = prepare_base_model(
-            cfg, self.environment, on_step=progress.sft_callback(cfg.sft.steps))
+        self.model_path, _ = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps))
         self.codec = ChatCodec(load_tokenizer(self.model_path))
         self.actor = load_model(self.model_path)
         self.critic = None
@@ -247,13 +258,9 @@ def run_sync(trainer: Trainer) -> None:
         torch.set_num_threads(cfg.runtime.rollout_threads)
         version = engine.version = learner.actor_version
         t0 = time.perf_counter()
-        batch: list[Trajectory] = []
-        while len(batch) < cfg.train.batch_size:
-            got = generate_batch(engine, trainer.environment, trainer.codec, tasks, trainer.limits,
-                                 cfg.train.batch_size - len(batch), SamplingParams(), trainer_step=step - 1)
-            usable = [t for t in got if t.status in TRAINABLE and t.num_action_tokens]
-            trainer.totals["failed"] += len(got) - len(usable)
-            batch += usable
+        batch, failed = usable_batch(engine, trainer.environment, trainer.codec, tasks, trainer.limits,
+                                     cfg.train.batch_size, trainer_step=step - 1)
+        trainer.totals["failed"] += failed
         gen_s = time.perf_counter() - t0
         torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)  # nothing else runs now
         trainer.actor.train()

@@ -134,9 +134,12 @@ class Learner:
             loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, mask, cfg.ppo_eps_low, cfg.ppo_eps_high)
             rollout_ratio = torch.exp((logprobs.detach() - batch.behavior_logprobs) * mask)
             metrics["dis/ratio_mean"] = float(masked_mean(rollout_ratio, mask))
-        entropy = masked_mean(token_entropy(logits), mask)
         if cfg.entropy_coef > 0:  # off by default: the paper uses no entropy bonus
+            entropy = masked_mean(token_entropy(logits), mask)
             loss = loss - cfg.entropy_coef * entropy
+        else:  # a metric only: no (B, T, V) autograd buffers kept alive through backward()
+            with torch.no_grad():
+                entropy = masked_mean(token_entropy(logits), mask)
         self.actor_opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.train_cfg.grad_clip)
