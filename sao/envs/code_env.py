@@ -361,7 +361,7 @@ class CodeEnvironment:
         reference = task.meta.get("reference")
         if not reference:
             raise option_error("solution_field", f"task {task.id!r} has no reference solution for the SFT demos; "
-                                          "add one or give model.path")
+                                                 "add one or give model.path")
         block = f"```python\n{reference}\n```"
         messages: list[Message] = [{"role": "user", "content": task.prompt}]
         if rng.random() < self.options.demo_run_tests_rate:

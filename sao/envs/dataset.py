@@ -90,7 +90,7 @@ def detect_format(path: Path, fmt: str, option: str) -> str:
     if path.suffix == ".parquet":
         return "parquet"
     raise option_error("format", f"cannot tell the format of {str(path)!r} from its suffix; set format to jsonl, parquet "
-                          f"or datasets (for {option})")
+                                 f"or datasets (for {option})")
 
 
 def read_jsonl(path: Path, option: str) -> Rows:
@@ -169,7 +169,7 @@ def rows_to_tasks(rows: Rows, options: DatasetOptions, source: str) -> list[Task
         prompt = _field(row, options.prompt_field, "prompt_field", where)
         if not isinstance(prompt, (str, int, float)):
             raise option_error("prompt_field", f"field {options.prompt_field!r} in {where} is a {type(prompt).__name__}, "
-                                        "not text")
+                                               "not text")
         answer = _field(row, options.answer_field, "answer_field", where)
         task_id = str(_field(row, options.id_field, "id_field", where)) if options.id_field else f"{stem}-{i}"
         tasks.append(Task(id=task_id, prompt=str(prompt), answer=answer, meta={"source": source, "row": i}))
@@ -200,7 +200,7 @@ def _column_split(rows: Rows, options: DatasetOptions, source: str) -> tuple[Row
 def _named_split(parts: dict[str, Rows], options: DatasetOptions, source: str) -> tuple[Rows, Rows]:
     if options.split_field:
         raise option_error("split_field", f"{source!r} has named splits already ({', '.join(parts)}); "
-                                   "use train_split and heldout_split")
+                                          "use train_split and heldout_split")
     for option, name in (("train_split", options.train_split), ("heldout_split", options.heldout_split)):
         if name not in parts:
             raise option_error(option, f"split {name!r} not in {source!r} (splits: {', '.join(parts)})")
@@ -242,16 +242,16 @@ def check_split(train: list[Task], heldout: list[Task], how: str, options: Datas
     source, n_rows = options.path, len(train) + len(heldout)
     if not train and how == "hash" and n_rows:
         raise option_error("heldout_fraction", f"no training tasks left among the {n_rows} rows of {source!r}; "
-                                        "lower heldout_fraction")
+                                               "lower heldout_fraction")
     if not train:
         raise option_error("path" if how in ("hash", "file") else "train_split",
-                    f"{source!r} has no rows" if how in ("hash", "file") else
-                    f"split {options.train_split!r} of {source!r} is empty")
+                           f"{source!r} has no rows" if how in ("hash", "file") else
+                           f"split {options.train_split!r} of {source!r} is empty")
     if heldout:
         return
     if how == "hash":
         raise option_error("heldout_fraction", f"no held-out tasks among the {n_rows} rows of {source!r}; "
-                                        "raise heldout_fraction")
+                                               "raise heldout_fraction")
     if how == "file":
         raise option_error("heldout_path", f"{options.heldout_path!r} has no rows")
     raise option_error("heldout_split", f"split {options.heldout_split!r} of {source!r} is empty")
