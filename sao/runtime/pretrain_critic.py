@@ -47,7 +47,8 @@ def pretrain_critic(cfg: Config, steps: int, out: Path, progress=None) -> dict:
             progress.log(f"critic step {step + 1}/{steps}: value loss {m['critic/value_loss']:.4f}  "
                          f"explained variance {m['critic/explained_variance']:.3f}")
 
-    history = fit_critic(critic, next_batch, steps, cfg.critic.lr, cfg.critic.grad_clip, on_step)
+    history = fit_critic(critic, next_batch, steps, cfg.critic.lr, cfg.critic.grad_clip, cfg.train.weight_decay,
+                         cfg.algo.gamma, on_step)
     tmp = out.with_name(out.name + ".partial")
     critic.save_pretrained(tmp)
     codec.tokenizer.save_pretrained(tmp)

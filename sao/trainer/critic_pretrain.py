@@ -12,6 +12,7 @@ from sao.algo.gae import skip_observation_gae
 from sao.algo.losses import value_loss
 from sao.models.critic import critic_values
 from sao.trainer.batch import Batch
+from sao.trainer.learner import adamw
 
 
 def monte_carlo_returns(batch: Batch, gamma: float = 1.0) -> torch.Tensor:
@@ -21,14 +22,15 @@ def monte_carlo_returns(batch: Batch, gamma: float = 1.0) -> torch.Tensor:
 
 
 def fit_critic(critic, next_batch: Callable[[], Batch], steps: int, lr: float, grad_clip: float,
-               on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
-    """`steps` optimizer steps of token-mean MSE on fresh batches; returns per-step metrics."""
+               weight_decay: float, gamma: float, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """`steps` optimizer steps of token-mean MSE on fresh batches, with the RL critic's optimizer
+    settings and the run's gamma; returns per-step metrics."""
     critic.train()
-    opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.99))
+    opt = adamw(critic, lr, weight_decay)
     history = []
     for step in range(steps):
         batch = next_batch()
-        returns = monte_carlo_returns(batch)
+        returns = monte_carlo_returns(batch, gamma)
         values = critic_values(critic, batch.input_ids, batch.attention_mask)
         loss, metrics = value_loss(values, returns, batch.action_mask)
         metrics["critic/explained_variance"] = explained_variance(values.detach(), returns, batch.action_mask)

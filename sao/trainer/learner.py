@@ -25,7 +25,7 @@ from sao.models.critic import critic_values, freeze_parameters
 from sao.trainer.batch import Batch
 
 
-def _adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
 
@@ -35,7 +35,7 @@ class Learner:
                  train_cfg: TrainConfig):
         self.actor, self.critic, self.algo = actor.train(), critic, algo
         self.algo_cfg, self.critic_cfg, self.train_cfg = algo_cfg, critic_cfg, train_cfg
-        self.actor_opt = _adamw(actor, train_cfg.lr, train_cfg.weight_decay)
+        self.actor_opt = adamw(actor, train_cfg.lr, train_cfg.weight_decay)
         self.critic_opt = None
         self.critic_updates = algo.critic_updates or critic_cfg.updates_per_step
         self.critic_version = 0  # critic optimizer steps taken so far
@@ -48,7 +48,7 @@ class Learner:
             freeze = critic_cfg.freeze_attention if algo.freeze_attention is None else algo.freeze_attention
             if freeze:
                 freeze_parameters(critic, critic_cfg.freeze_pattern)
-            self.critic_opt = _adamw(critic, critic_cfg.lr, train_cfg.weight_decay)
+            self.critic_opt = adamw(critic, critic_cfg.lr, train_cfg.weight_decay)
         self.running_mean = (
             RunningMeanBaseline(algo_cfg.running_mean_window, algo_cfg.running_mean_per_prompt)
             if algo.advantage == "running_mean" else None
