@@ -5,6 +5,7 @@
     sao eval  RUN_OR_MODEL [key=value ...]            held-out accuracy of a run's final policy or a model
     sao pretrain-critic [CONFIG.yaml] [key=value ...] --out DIR   value pretraining (cold start)
     sao report RUN                                    PNG plots of a run's curves into RUN/plots/
+    sao config [PREFIX]                               every config key: type, default, description
 
 Bad input (unknown key, bad value, missing file) prints one line naming it and exits with code 2,
 before anything is written.
@@ -25,9 +26,24 @@ USAGE_ERROR = 2
 def _split(args: list[str]) -> tuple[str | None, list[str]]:
     files = [a for a in args if "=" not in a]
     overrides = [a for a in args if "=" in a]
+    for a in files:
+        _check_file_argument(a)
     if len(files) > 1:
         raise ConfigError(f"expected at most one config file, got {files}")
     return (files[0] if files else None), overrides
+
+
+def _check_file_argument(arg: str) -> None:
+    """An argument without '=' must be a YAML file; say what is wrong with one that is not."""
+    from sao.config import config_keys, did_you_mean
+
+    if Path(arg).is_file() or arg.endswith((".yaml", ".yml")):
+        return  # a missing .yaml file is reported by load_config
+    if arg in config_keys() or "." in arg and not arg.startswith((".", "/")):
+        raise ConfigError(f"argument {arg!r}: an override needs a value, e.g. {arg}=VALUE"
+                          f"{did_you_mean(arg, config_keys()) if arg not in config_keys() else ''}")
+    raise ConfigError(f"argument {arg!r}: neither a config file (no such file) nor a key=value override; "
+                      "keys: sao config")
 
 
 def _config(args: list[str], extra: list[str] | None = None) -> Config:
@@ -38,13 +54,11 @@ def _config(args: list[str], extra: list[str] | None = None) -> Config:
 def cmd_train(ns) -> int:
     from sao.runtime.preflight import preflight
 
-    cfg = _config(ns.args, ["runtime.mode=sync"] if ns.sync else [])
+    cfg = _config(ns.args, (["runtime.mode=sync"] if ns.sync else []) + (["output.progress=false"] if ns.quiet else []))
     preflight(cfg)  # fail fast on bad input, before torch is imported or anything is written
     from sao.runtime.progress import RunProgress
     from sao.runtime.train import train
 
-    if ns.quiet:
-        cfg.output.progress = False
     progress = RunProgress(enabled=cfg.output.progress)
     result = train(cfg, progress)
     print(f"run directory: {result.run_dir}")
@@ -124,6 +138,13 @@ def cmd_pretrain_critic(ns) -> int:
     return 0
 
 
+def cmd_config(ns) -> int:
+    from sao.config_help import describe
+
+    sys.stdout.write(describe(ns.prefix or ""))
+    return 0
+
+
 def cmd_report(ns) -> int:
     from sao.runtime.report import write_report
 
@@ -134,10 +155,15 @@ def cmd_report(ns) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sao", description="Single-rollout Asynchronous Optimization for LLM agents")
+    parser = argparse.ArgumentParser(
+        prog="sao", description="Single-rollout Asynchronous Optimization for LLM agents",
+        epilog="Configuration: a YAML file and/or key=value overrides (sao train algo.eps_high=3.0); "
+               "`sao config` lists every key with its type, default and description, and the registered "
+               "algorithms and environments; recipes in examples/configs/.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train with SAO (defaults: tiny model, calc task, async, CPU)")
-    p.add_argument("args", nargs="*", help="CONFIG.yaml and/or dotted overrides key=value")
+    p = sub.add_parser("train", help="train with SAO (defaults: tiny model, calc task, async, CPU)",
+                       epilog="keys, types and defaults: sao config")
+    p.add_argument("args", nargs="*", help="CONFIG.yaml and/or dotted overrides key=value (see: sao config)")
     p.add_argument("--sync", action="store_true", help="generate a batch, then train (no overlap)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_train)
@@ -156,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder to save the critic to (then: critic.path=FOLDER)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(fn=cmd_pretrain_critic)
+    p = sub.add_parser("config", help="list every config key (type, default, description), algorithms, environments")
+    p.add_argument("prefix", nargs="?", help="only keys starting with this, e.g. algo or env.options")
+    p.set_defaults(fn=cmd_config)
     p = sub.add_parser("report", help="write PNG plots of a run's metrics into RUN/plots/")
     p.add_argument("run")
     p.set_defaults(fn=cmd_report)

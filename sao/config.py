@@ -1,17 +1,21 @@
 """Typed, validated run configuration: YAML files plus dotted overrides (`algo.eps_high=3.0`).
 
 One pydantic model per component; every field is documented and validated; unknown keys are
-errors. `load_config` turns any problem into a `ConfigError` whose message is one line naming the
-field or file, which the CLI prints before exiting with code 2.
+errors (with a "did you mean" suggestion). `load_config` turns any problem into a `ConfigError` whose
+message is one line naming the field or file, which the CLI prints before exiting with code 2.
+`sao config` lists every key (sao/config_help.py). A loaded config remembers where each value came
+from (`value_sources`: default, file, override, or api for values set in Python), and `to_yaml`
+writes that next to each value in the run's config.yaml.
 """
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -57,7 +61,7 @@ class RolloutConfig(Section):
     max_episode_tokens: int = Field(256, ge=8, description="total tokens per trajectory")
     step_timeout_s: float = Field(30.0, gt=0, description="limit on one environment step (async envs)")
     concurrency: int = Field(64, ge=1, description="episodes in flight in the rollout worker")
-    temperature: float = Field(1.0, ge=0, description="must be 1 for training (DIS, spec §3)")
+    temperature: float = Field(1.0, ge=0, description="must be 1 for training (DIS, docs/algorithm.md §3)")
     top_p: float = Field(1.0, gt=0, le=1, description="must be 1 for training")
     top_k: int = Field(0, ge=0, description="must be 0 (off) for training")
 
@@ -66,7 +70,7 @@ class RolloutConfig(Section):
         if (self.temperature, self.top_p, self.top_k) != (1.0, 1.0, 0):
             raise ValueError(
                 "training samples at temperature 1, top_p 1, top_k 0: DIS needs the log-prob of the "
-                "distribution actually sampled from (spec §3)"
+                "distribution actually sampled from (docs/algorithm.md §3)"
             )
         return self
 
@@ -144,6 +148,22 @@ class Config(Section):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    # dotted key -> "file" or "override", filled by load_config; see value_sources
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+    _file: str | None = PrivateAttr(None)
+
+
+def config_keys() -> list[str]:
+    """Every dotted key of the configuration, e.g. `algo.eps_high`."""
+    return [f"{s}.{k}" for s, section in Config.model_fields.items() for k in section.annotation.model_fields]
+
+
+def did_you_mean(key: str, known: list[str]) -> str:
+    """'; did you mean x?' for the closest known spelling, or '' when nothing is close."""
+    tail = key.rpartition(".")[2]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    close = close or [k for k in known if difflib.get_close_matches(tail, [k.rpartition(".")[2]], cutoff=0.8)][:1]
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def _first_error(exc: ValidationError, prefix: str = "") -> str:
@@ -152,6 +172,8 @@ def _first_error(exc: ValidationError, prefix: str = "") -> str:
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
+        if not prefix:
+            msg += did_you_mean(loc, config_keys() if "." in loc else list(Config.model_fields))
     where = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
     return f"{where}: {msg}"
 
@@ -174,7 +196,7 @@ def parse_overrides(overrides: list[str]) -> dict:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.eps_high=3.0")
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.eps_high=3.0 (keys: sao config)")
         try:
             value = yaml.safe_load(raw) if raw != "" else None
         except yaml.YAMLError:
@@ -205,12 +227,63 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {str(p)!r}: invalid YAML{where}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {str(p)!r}: top level must be a mapping")
-    tree = _deep_merge(tree, parse_overrides(overrides or []))
+    extra = parse_overrides(overrides or [])
+    sources = {**dict.fromkeys(_leaves(tree), "file"), **dict.fromkeys(_leaves(extra), "override")}
     try:
-        return Config(**tree)
+        cfg = Config(**_deep_merge(tree, extra))
     except ValidationError as exc:
         raise ConfigError(_first_error(exc)) from None
+    cfg._sources, cfg._file = sources, (str(path) if path is not None else None)
+    return cfg
+
+
+def _leaves(tree: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        out += _leaves(v, key + ".") if isinstance(v, dict) and v else [key]
+    return out
+
+
+def value_sources(cfg: Config) -> dict[str, str]:
+    """Dotted key -> where its value came from: default, file, override, or api (set in Python).
+
+    Keys of `env.options` appear one by one (`env.options.max_digits`); an empty options dict is
+    `env.options`."""
+    out: dict[str, str] = {}
+    for name in Config.model_fields:
+        section = getattr(cfg, name)
+        for key in type(section).model_fields:
+            dotted = f"{name}.{key}"
+            below = {k: v for k, v in cfg._sources.items() if k.startswith(dotted + ".")}
+            if below and isinstance(getattr(section, key), dict):
+                out.update(below)
+            elif dotted in cfg._sources or below:
+                out[dotted] = cfg._sources.get(dotted) or next(iter(below.values()))
+            else:
+                out[dotted] = "api" if key in section.model_fields_set else "default"
+    return out
+
+
+def _flow(value: Any) -> str:
+    """One value as single-line YAML (flow style)."""
+    return yaml.safe_dump([value], default_flow_style=True, width=1 << 30).strip()[1:-1]
 
 
 def to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML that load_config reads back, each value followed by its source."""
+    sources = value_sources(cfg)
+    where = f" ({cfg._file})" if cfg._file else ""
+    lines = [f"# resolved configuration; after each value, where it came from: default, file{where}, "
+             "override (command line) or api (set in Python)"]
+    for name, fields in cfg.model_dump(mode="json").items():
+        lines.append(f"{name}:")
+        for key, value in fields.items():
+            dotted = f"{name}.{key}"
+            if isinstance(value, dict) and value:
+                lines.append(f"  {key}:")
+                lines += [f"    {_flow(k)}: {_flow(v)}  # {sources.get(f'{dotted}.{k}', sources.get(dotted, 'api'))}"
+                          for k, v in value.items()]
+            else:
+                lines.append(f"  {key}: {_flow(value)}  # {sources[dotted]}")
+    return "\n".join(lines) + "\n"

@@ -1,9 +1,9 @@
 """The records that cross process boundaries: tasks, sampling parameters, generations, trajectories.
 
-This module is the only contract between rollout workers and the trainer (design.md §3). Every
+This module is the only contract between rollout workers and the trainer (docs/architecture.md §3). Every
 record is a plain dataclass of Python scalars and lists, so it pickles cheaply through a
 `multiprocessing` queue and serializes to one JSON line; never put torch tensors here (a tensor
-sent from a process that later exits crashes the receiver, field-notes.md).
+sent from a process that later exits crashes the receiver; docs/architecture.md §7).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Task:
 @dataclass
 class SamplingParams:
     """How the engine samples one action. Training requires temperature 1, top_p 1, top_k 0
-    (spec §3: the behavior log-prob must be the log-prob of the distribution sampled from)."""
+    (docs/algorithm.md §3: the behavior log-prob must be the log-prob of the distribution sampled from)."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0  # 0 means greedy
@@ -68,7 +68,7 @@ class Generation:
 
 @dataclass
 class Trajectory:
-    """`[prompt, a_0, o_0, a_1, ..., a_n]` as token ids, exactly as sampled (spec §2)."""
+    """`[prompt, a_0, o_0, a_1, ..., a_n]` as token ids, exactly as sampled (docs/algorithm.md §2)."""
 
     id: str
     task_id: str

@@ -17,7 +17,9 @@ def test_defaults_file_and_dotted_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["algo.eps_hgh=3"], "algo.eps_hgh: unknown key"),
+    (["algo.eps_hgh=3"], "algo.eps_hgh: unknown key; did you mean algo.eps_high?"),
+    (["trian.steps=3"], "trian: unknown key; did you mean train?"),
+    (["train.eps_high=3"], "train.eps_high: unknown key; did you mean algo.eps_high?"),
     (["train.steps=-1"], "train.steps: Input should be greater than or equal to 1"),
     (["runtime.mode=fast"], "runtime.mode: Input should be 'async' or 'sync'"),
     (["rollout.temperature=0.7"], "rollout: training samples at temperature 1"),
@@ -45,6 +47,9 @@ def _sao(*args, cwd):
 @pytest.mark.parametrize("args,needle", [
     (["train", "algo.eps_hgh=3"], "algo.eps_hgh: unknown key"),
     (["train", "missing.yaml"], "config file 'missing.yaml': not found"),
+    (["train", "foo"], "argument 'foo': neither a config file (no such file) nor a key=value override"),
+    (["train", "train.steps", "100"], "argument 'train.steps': an override needs a value, e.g. train.steps=VALUE"),
+    (["train", "env.options.max_digit=3"], "env.options.max_digit: unknown key; did you mean env.options.max_digits?"),
     (["train", "env.name=nope"], "env.name: unknown environment 'nope'"),
     (["train", "env.options.max_ops=0"], "env.options.max_ops"),
     (["train", "algo.name=ppo2"], "algo.name: unknown algorithm 'ppo2'"),
@@ -93,3 +98,44 @@ def test_environment_config_defaults_apply_only_where_the_user_is_silent():
     cfg = load_config(None, [])
     preflight(cfg)
     assert cfg.rollout.max_action_tokens == 24  # calc recommends nothing
+
+
+def test_sao_config_lists_every_key_with_type_default_and_description():
+    from sao.algo.registry import ALGORITHMS
+    from sao.config import Config, config_keys
+    from sao.envs.base import _REGISTRY
+
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "config"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for key in config_keys():
+        section, _, name = key.partition(".")
+        field = type(getattr(Config(), section)).model_fields[name]
+        row = next(line for line in lines if line.split()[:1] == [key])
+        assert field.description in row and "=" in row, row
+    assert next(line for line in lines if line.split()[:1] == ["train.lr"]).split()[1:4] == ["float", "=", "0.0005"]
+    for name in ALGORITHMS:
+        assert any(line.split()[:1] == [name] for line in lines), name
+    for name in _REGISTRY:
+        assert f"  {name}: " in proc.stdout
+    assert "env.options.max_digits" in proc.stdout  # each environment's options too
+    assert "sao config" in subprocess.run([sys.executable, "-m", "sao.cli", "--help"], capture_output=True,
+                                          text=True, timeout=120).stdout
+
+
+def test_resolved_config_records_each_value_and_its_source(tmp_path):
+    from sao.config import to_yaml, value_sources
+
+    f = tmp_path / "recipe.yaml"
+    f.write_text("train:\n  lr: 1.0e-4\nenv:\n  options:\n    max_digits: 3\n")
+    cfg = load_config(f, ["train.steps=5", "env.options.ops=+-"])
+    cfg.eval.every = 7  # set in Python (the API)
+    src = value_sources(cfg)
+    assert src["train.lr"] == "file" and src["env.options.max_digits"] == "file"
+    assert src["train.steps"] == "override" and src["env.options.ops"] == "override"
+    assert src["eval.every"] == "api" and src["algo.eps_high"] == "default"
+    text = to_yaml(cfg)
+    assert "  lr: 0.0001  # file" in text and "  steps: 5  # override" in text and "eps_high: 5.0  # default" in text
+    again = tmp_path / "config.yaml"
+    again.write_text(text)
+    assert load_config(again).model_dump() == cfg.model_dump()  # config.yaml reloads to the same values

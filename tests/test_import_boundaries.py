@@ -1,4 +1,4 @@
-"""design.md §2: who may import whom. Checked on the source, so a lazy import counts too."""
+"""docs/architecture.md §2: who may import whom. Checked on the source, so a lazy import counts too."""
 
 import ast
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""One optimizer step: the spec's order, K critic updates, warm-up, frozen attention, DIS."""
+"""One optimizer step: the order of docs/algorithm.md §5, K critic updates, warm-up, frozen attention, DIS."""
 
 import pytest
 import torch

@@ -17,6 +17,24 @@ def test_char_tokenizer_round_trips_spaces_newlines_and_tags(tiny_model_dir):
         assert len(tok.encode("<calc>", add_special_tokens=False)) == 1  # tool tags are one token
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_built_in_tokenizer_round_trips_through_auto_tokenizer(tmp_path, arch):
+    """AutoTokenizer on a Qwen2 folder rebuilds Qwen2's own tokenizer around the saved vocabulary; the
+    built-in vocabulary must still decode to the same text (spaces, newlines, tabs, tags)."""
+    from transformers import AutoTokenizer
+
+    from sao.models.tiny import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / arch, arch=arch, hidden_size=16, num_layers=1, num_heads=2,
+                              intermediate_size=16)
+    text = "What is 2 + 3?\n\t<calc>37*12</calc>  <result>444</result>\n<answer>449</answer>"
+    reference = build_char_tokenizer().encode(text, add_special_tokens=False)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text and ids == reference
+    assert tok.eos_token == "<|im_end|>" and tok.chat_template is not None
+
+
 def test_observation_tokens_follow_the_chat_template(tiny_model_dir):
     codec = ChatCodec(load_tokenizer(tiny_model_dir))
     conv = [{"role": "user", "content": "2+3"}]

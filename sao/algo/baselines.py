@@ -1,4 +1,4 @@
-"""Critic-free baselines: GRPO group normalization and the running-mean baseline (spec §7)."""
+"""Critic-free baselines: GRPO group normalization and the running-mean baseline (docs/algorithm.md §7)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, min_std: float = 1e-6) ->
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over action tokens (spec §5); nan when Var(R) is (numerically) 0,
+    """1 - Var(R - V) / Var(R) over action tokens (docs/algorithm.md §5); nan when Var(R) is (numerically) 0,
     e.g. a batch whose rewards are all equal."""
     var_r = masked_var(returns, mask)
     if var_r.item() < 1e-8:

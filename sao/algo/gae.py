@@ -1,4 +1,4 @@
-"""Skip-observation token-level GAE with decoupled lambda (spec §4, paper Eqs. 4-5).
+"""Skip-observation token-level GAE with decoupled lambda (docs/algorithm.md §4, paper Eqs. 4-5).
 
 GAE runs over action tokens only, in order. Observation (and prompt, padding) positions are
 skipped: the last token of action i links straight to the first token of action i+1, so an

@@ -15,7 +15,7 @@ def dis_policy_loss(
     eps_low: float,
     eps_high: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Direct double-sided importance sampling (spec §3, paper Eqs. 1-3).
+    """Direct double-sided importance sampling (docs/algorithm.md §3, paper Eqs. 1-3).
 
     r_t = exp(logpi_theta - behavior_logprob)                 no pi_old: one ratio covers staleness
     w_t = r_t if 1 - eps_low < r_t < 1 + eps_high else 0      strict, both sides, any advantage sign
@@ -71,7 +71,7 @@ def value_loss(
     old_values: torch.Tensor | None = None,
     clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-mean MSE (V - R)^2 over action tokens (spec §5); optional PPO-style value clipping."""
+    """Token-mean MSE (V - R)^2 over action tokens (docs/algorithm.md §5); optional PPO-style value clipping."""
     err = (values - returns) ** 2
     if clip is not None and old_values is not None:
         clipped = old_values + (values - old_values).clamp(-clip, clip)

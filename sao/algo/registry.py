@@ -1,4 +1,4 @@
-"""Algorithms as thin registry entries over `sao/algo` (spec §7, style.md rule 10).
+"""Algorithms as thin registry entries over `sao/algo` (docs/algorithm.md §7, docs/architecture.md §7).
 
 Each entry says how advantages are made and which policy loss is used; the learner reads these
 fields, so there is no `if name == ...` chain anywhere else.

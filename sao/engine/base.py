@@ -1,4 +1,4 @@
-"""The engine protocol (design.md §3) and the weight-source seam it pulls new weights from."""
+"""The engine protocol (docs/architecture.md §3) and the weight-source seam it pulls new weights from."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ merges their KV caches into the running batch (left padding, explicit position i
 one token for every running sequence, recording for each token its log-prob under the
 distribution it was sampled from and the policy version of the weights that produced it, and
 (4) retires finished sequences. Sequences in flight survive a weight swap: their later tokens carry
-the new version, exactly as spec §6 describes.
+the new version, exactly as docs/algorithm.md §6 describes.
 """
 
 from __future__ import annotations

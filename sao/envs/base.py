@@ -1,4 +1,4 @@
-"""The environment protocol and the registry of environments (design.md §3, style.md rule 9).
+"""The environment protocol and the registry of environments (docs/architecture.md §3 and §7).
 
 An *environment* (registered by name) owns its tasks and makes one `Env` per episode:
 
@@ -105,6 +105,10 @@ def make_environment(name: str, options: dict[str, Any], seed: int):
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(["env.options", *(str(p) for p in err["loc"])])
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            from sao.config import did_you_mean
+
+            msg = "unknown key" + did_you_mean(where, [f"env.options.{k}" for k in options_model.model_fields])
         raise ValueError(f"{where}: {msg}") from None
     return cls(opts, seed=seed)

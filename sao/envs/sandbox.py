@@ -1,4 +1,4 @@
-"""Run model-written Python code against test snippets in a sandbox (design.md §2: `sao/envs/`).
+"""Run model-written Python code against test snippets in a sandbox (docs/architecture.md §2: `sao/envs/`).
 
     result = run_tests("def add(a, b):\n    return a + b", ["assert add(1, 2) == 3"])
     result.status, result.passed, result.total        # "passed", 1, 1

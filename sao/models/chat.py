@@ -1,6 +1,6 @@
 """Chat-template codec: messages -> prompt token ids, tool observations -> token ids to append.
 
-Tokens in, tokens out (spec §2): sampled tokens are kept as sampled; an observation is rendered
+Tokens in, tokens out (docs/algorithm.md §2): sampled tokens are kept as sampled; an observation is rendered
 through the model's own chat template and only its *new* tokens are appended. Earlier tokens are
 never re-tokenized. The observation wrapper is derived once by rendering a dummy conversation with
 and without a tool message and keeping the text that follows the assistant's end-of-turn token.

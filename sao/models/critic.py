@@ -1,4 +1,4 @@
-"""The critic: the actor's architecture with a zero-initialized scalar value head (spec §5).
+"""The critic: the actor's architecture with a zero-initialized scalar value head (docs/algorithm.md §5).
 
 Built as a `transformers` token-classification model with one label, so it saves and loads in
 plain HF format (`AutoModelForTokenClassification`). `values[:, t]` is V(s_t), the value of the
@@ -36,7 +36,7 @@ def load_critic(path: str | Path, dtype: torch.dtype = torch.float32):
 def freeze_parameters(model: torch.nn.Module, pattern: str) -> int:
     """Freeze every parameter whose name matches `pattern`; return how many were frozen.
 
-    A pattern that matches nothing is an error (spec §5): a silent no-op would train a different
+    A pattern that matches nothing is an error (docs/algorithm.md §5): a silent no-op would train a different
     critic than the config says.
     """
     rx = re.compile(pattern)

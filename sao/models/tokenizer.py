@@ -1,9 +1,13 @@
 """The built-in character-level tokenizer: exact round trips, tool tags as single tokens.
 
-Built with `tokenizers` (a WordLevel model over single characters) and saved as `tokenizer.json`
-with a chat template, so any HF code can load it. Loading goes through `PreTrainedTokenizerFast`
-directly: `AutoTokenizer` on some model folders swaps in the architecture's own tokenizer class and
-silently drops spaces and newlines of a character vocabulary (field-notes.md).
+A byte-level BPE with no merges over the printable ASCII characters (one token per character, in
+GPT-2's byte-to-unicode spelling: space is `Ġ`, newline `Ċ`), saved as `tokenizer.json` with a chat
+template. The byte-level spelling is what makes it load right everywhere: `AutoTokenizer` on a
+Qwen2 folder ignores `tokenizer.json`'s pre-tokenizer and rebuilds Qwen2's own byte-level BPE around
+the saved vocabulary, so a plain character vocabulary lost every space and newline that way; this
+one decodes to the same text through `AutoTokenizer` and `PreTrainedTokenizerFast` alike
+(tests/test_models.py). Token ids are the same as the earlier WordLevel vocabulary's, so cached
+models keep working.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import json
 import string
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, BOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -31,11 +35,20 @@ CHAT_TEMPLATE = (
 )
 
 
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map, the spelling of byte-level BPE vocabularies."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
+
+
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + TAG_TOKENS + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one char each
-    tok.decoder = decoders.Fuse()  # join without spaces
+    spelled = byte_to_unicode()
+    chars = [spelled[ord(c)] for c in CHARS]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + TAG_TOKENS + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=PAD))  # no merges: one token per character
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     tok.add_tokens(TAG_TOKENS)
     fast = PreTrainedTokenizerFast(
@@ -50,7 +63,8 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Load a tokenizer from a model folder; the built-in one always as PreTrainedTokenizerFast."""
+    """Load a tokenizer from a model folder; the built-in one as PreTrainedTokenizerFast (folders cached
+    before the byte-level vocabulary hold a WordLevel tokenizer that only loads right that way)."""
     path = Path(path)
     cfg_file = path / "tokenizer_config.json"
     if cfg_file.exists():

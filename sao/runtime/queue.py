@@ -1,4 +1,4 @@
-"""The trajectory queue and the staleness gate (spec §6).
+"""The trajectory queue and the staleness gate (docs/algorithm.md §6).
 
 Staleness is bounded two ways. *Pacing*: a worker may start trajectory number n (in start order)
 only while n < (batches_consumed + max_lag + 1) * B, counting a batch as consumed once the weights

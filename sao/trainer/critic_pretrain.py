@@ -1,4 +1,4 @@
-"""Value pretraining (cold start, spec §5): fit the critic to Monte-Carlo returns of trajectories
+"""Value pretraining (cold start, docs/algorithm.md §5): fit the critic to Monte-Carlo returns of trajectories
 sampled from the initial policy, before RL starts, so the first actor steps see useful values."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`Learner.step(batch)`: one SAO optimizer step (spec §5 order), synchronous and queue-free.
+"""`Learner.step(batch)`: one SAO optimizer step (docs/algorithm.md §5 order), synchronous and queue-free.
 
     step 1  v0 = critic(batch), no grad; returns R from lambda=1 skip-observation GAE on v0
     step 2  K critic steps on MSE(V, R)                          (faster value update, K=2)
