@@ -25,6 +25,7 @@ from sao.envs.style_shift import StyleShiftOptions
 from sao.runtime.progress import RunProgress
 from sao.runtime.train import train
 
+RECIPE = Path(__file__).resolve().parents[1] / "examples" / "configs" / "style_shift.yaml"
 ALGOS = {
     "sao": [],
     "running_mean": ["algo.name=running_mean", "algo.running_mean_per_prompt=false", "algo.running_mean_window=128"],
@@ -96,7 +97,7 @@ def plot(results: dict, phases, total: int, out: Path) -> None:
 
 
 def run_one(name: str, overrides: list[str], seed: int, stamp: str, total: int, recover_at: float) -> tuple[dict, list]:
-    cfg = load_config(None, [*overrides, *ALGOS[name], f"train.seed={seed}", f"output.name=style-{name}-s{seed}-{stamp}"])
+    cfg = load_config(RECIPE, [*overrides, *ALGOS[name], f"train.seed={seed}", f"output.name=style-{name}-s{seed}-{stamp}"])
     options = StyleShiftOptions(**cfg.env.options)
     res = train(cfg, RunProgress(enabled=sys.stderr.isatty()))
     rows = [json.loads(line) for line in (Path(res.run_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -136,8 +137,8 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     ns = ap.parse_args()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    # the actor lr is style_shift's own default (2e-4, its config_defaults), like every other setting
-    common = ["env.name=style_shift", f"train.steps={ns.steps}", "eval.every=25",
+    # the actor lr comes from the recipe (2e-4), like every setting it holds
+    common = [f"train.steps={ns.steps}", "eval.every=25",
               "eval.num_tasks=100", "output.root=runs/bench", *ns.overrides]
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -71,13 +71,11 @@ def cmd_sft(ns) -> int:
     from sao.envs import make_environment
     from sao.runtime.local import quiet_transformers
     from sao.runtime.model_setup import prepare_base_model
-    from sao.runtime.preflight import apply_env_defaults
     from sao.runtime.progress import RunProgress
 
     cfg = _config(ns.args)
     quiet_transformers()
-    environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
-    apply_env_defaults(cfg, environment)
+    make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)  # bad env.options fail before SFT
     import torch
 
     torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)
@@ -106,7 +104,6 @@ def cmd_eval(ns) -> int:
     from sao.models.tokenizer import load_tokenizer
     from sao.runtime.evaluate import evaluate
     from sao.runtime.local import quiet_transformers
-    from sao.runtime.preflight import apply_env_defaults
     from sao.runtime.train import limits_of
 
     model_path, run_cfg = _resolve_model(ns.target)
@@ -114,7 +111,6 @@ def cmd_eval(ns) -> int:
     quiet_transformers()
     torch.set_num_threads(2)
     environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
-    apply_env_defaults(cfg, environment)
     codec = ChatCodec(load_tokenizer(model_path))
     res = evaluate(load_model(model_path), codec, environment, environment.eval_tasks(cfg.eval.num_tasks),
                    limits_of(cfg), greedy=cfg.eval.greedy, seed=cfg.train.seed)

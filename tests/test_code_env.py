@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -177,7 +178,8 @@ def test_bad_jsonl_files_are_clear_errors(tmp_path, rows, message):
 
 @needs_sandbox
 def test_train_cli_smoke_run(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *TINY, f"env.name={ENV}", "output.name=code",
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "configs" / "code.yaml"
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", str(recipe), *TINY, f"env.name={ENV}", "output.name=code",
                            "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out accuracy:" in proc.stdout

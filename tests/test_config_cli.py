@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,19 +86,28 @@ def test_flags_may_follow_overrides():
     assert proc.returncode == 2 and "algo.bad: unknown key" in proc.stderr
 
 
-def test_environment_config_defaults_apply_only_where_the_user_is_silent():
+RECIPES = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+
+def test_recipes_set_environment_settings_visibly_and_environments_change_nothing():
+    from sao.config import value_sources
     from sao.runtime.preflight import preflight
 
-    cfg = load_config(None, ["env.name=code"])
+    cfg = load_config(RECIPES / "code.yaml")
+    before = cfg.model_dump()
     preflight(cfg)
+    assert cfg.model_dump() == before  # the environment changes no setting behind the user's back
     assert cfg.rollout.max_action_tokens == 72 and cfg.rollout.max_turns == 3 and cfg.sft.steps == 800
     assert cfg.algo.whiten_advantages is False and cfg.train.lr == 1e-4
-    cfg = load_config(None, ["env.name=code", "rollout.max_action_tokens=40"])
-    preflight(cfg)
+    src = value_sources(cfg)
+    assert src["train.lr"] == src["algo.whiten_advantages"] == "file" and src["train.batch_size"] == "default"
+    cfg = load_config(RECIPES / "code.yaml", ["rollout.max_action_tokens=40"])
     assert cfg.rollout.max_action_tokens == 40 and cfg.rollout.max_turns == 3
-    cfg = load_config(None, [])
+    cfg = load_config(None, ["env.name=code"])
     preflight(cfg)
-    assert cfg.rollout.max_action_tokens == 24  # calc recommends nothing
+    assert cfg.train.lr == 5e-4 and cfg.rollout.max_action_tokens == 24  # no recipe: the documented defaults
+    for recipe in RECIPES.glob("*.yaml"):
+        load_config(recipe)  # every recipe validates
 
 
 def test_sao_config_lists_every_key_with_type_default_and_description():

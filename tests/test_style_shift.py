@@ -95,14 +95,17 @@ def test_benchmark_median_counts_unrecovered_runs_as_slowest():
     assert bench.median_or_none([4, 8]) == 4.0  # lower median of an even count
 
 
-def test_style_shift_recommends_a_smaller_actor_lr_unless_the_user_sets_one():
+def test_style_shift_recipe_sets_a_smaller_actor_lr_unless_the_user_overrides_it():
+    from pathlib import Path
+
     from sao.config import load_config
     from sao.runtime.preflight import preflight
 
-    cfg = load_config(None, ["env.name=style_shift"])
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "configs" / "style_shift.yaml"
+    cfg = load_config(recipe)
     preflight(cfg)
-    assert cfg.train.lr == 2e-4
-    cfg = load_config(None, ["env.name=style_shift", "train.lr=5e-4"])
+    assert cfg.env.name == "style_shift" and cfg.train.lr == 2e-4
+    cfg = load_config(recipe, ["train.lr=5e-4"])
     preflight(cfg)
     assert cfg.train.lr == 5e-4
 

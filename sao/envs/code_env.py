@@ -298,20 +298,8 @@ class CodeEnvironment:
     """Registered as `code`. Generated tasks (seeded, hash split) or a JSONL file of tasks."""
 
     Options = CodeOptions
-    # One token per character: a fenced solution after <run_tests>/<submit> needs ~70 tokens (calc: 24).
-    # Episodes are ~3x longer than calc's, so calc's SFT (1500 x 64) would take ~25 min on 2 cores;
-    # 800 x 32 warm-starts the tiny model to ~67% held-out pass rate in a few minutes.
-    # The sandbox enforces each run's own wall limit; the agent loop's step timeout also covers waiting
-    # for a sandbox slot (max_parallel), which with hundreds of concurrent episodes exceeds 30 s.
-    # RL: batches here mostly succeed, and batch whitening turned the few failures plus critic noise into
-    # full-size updates on newline/indent tokens (held-out 0.64 -> 0.54 at lr 5e-4); unwhitened at lr 1e-4
-    # it improved (0.64 -> 0.74 after 250 steps; on the data_seed split, 300 episodes of its 30 distinct
-    # held-out tasks: 0.59 -> 0.66 and 0.58 -> 0.62 with train.seed 0 and 1).
-    config_defaults = {"rollout": {"max_action_tokens": 72, "max_turns": 3, "max_episode_tokens": 448,
-                                   "step_timeout_s": 600.0},
-                       "sft": {"steps": 800, "batch_size": 32},
-                       "algo": {"whiten_advantages": False},
-                       "train": {"lr": 1e-4, "steps": 250}}
+    # Settings that suit this environment (longer actions, lighter SFT, lr, whitening) are a recipe:
+    # examples/configs/code.yaml, passed as the config file.
 
     def __init__(self, options: CodeOptions, seed: int = 0):
         self.options = options

@@ -106,10 +106,7 @@ class StyleShiftEnvironment:
     """Registered as `style_shift`."""
 
     Options = StyleShiftOptions
-    # calc's actor lr (5e-4) collapses this policy within ~25 steps, with or without whitening: the style
-    # tokens saturate and the next steps push it into malformed tags ("<style>cuu</answer>", reward 0 from
-    # step 25 on). At 2e-4 the first style is learned by step ~60 and stays at reward 1.
-    config_defaults = {"train": {"lr": 2e-4}}
+    # its actor lr (2e-4; calc's 5e-4 collapses this policy) is a recipe: examples/configs/style_shift.yaml
 
     def __init__(self, options: StyleShiftOptions, seed: int = 0):
         self.options, self.seed = options, seed

@@ -9,17 +9,6 @@ from sao.config import Config, ConfigError
 from sao.envs import make_environment
 
 
-def apply_env_defaults(cfg: Config, environment) -> None:
-    """An environment may recommend settings (`config_defaults = {"rollout": {...}, "sft": {...}}`,
-    e.g. longer actions and a lighter SFT for code); they apply to every field the user did not set,
-    and the resolved values are what config.yaml records and what the SFT cache is keyed on."""
-    for section, values in getattr(type(environment), "config_defaults", {}).items():
-        target = getattr(cfg, section)
-        for key, value in values.items():
-            if key not in target.model_fields_set:
-                setattr(target, key, value)
-
-
 def model_path_of(cfg: Config) -> Path | None:
     """The user's model folder (checked), or None when the built-in model is used."""
     if cfg.model.path is None:
@@ -38,7 +27,9 @@ def preflight(cfg: Config):
     """Validate names, options and paths; return the environment. Raises ConfigError/ValueError."""
     get_algorithm(cfg.algo.name)
     environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
-    apply_env_defaults(cfg, environment)
+    if hasattr(type(environment), "config_defaults"):  # settings an environment imposed unseen: now recipes
+        raise ConfigError(f"env.name: {cfg.env.name!r} declares config_defaults; put those settings in a recipe "
+                          "file passed as the config file (examples/configs/)")
     environment.eval_tasks(1)  # a split with an empty side fails here, before anything is written
     next(iter(environment.train_tasks()))
     model_path_of(cfg)
