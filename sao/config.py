@@ -122,6 +122,30 @@ class RuntimeConfig(Section):
     parity_tol: float = Field(1e-4, gt=0, description="max |engine - trainer| log-prob at step 0")
 
 
+class EngineConfig(Section):
+    name: Literal["torch", "vllm"] = Field("torch", description=(
+        "rollout engine: torch (built-in, in process) or vllm (a vLLM server, started by sao or at engine.url)"))
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "where the trainer and the torch engine run: auto = CUDA when a GPU is visible, else CPU"))
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description=(
+        "compute precision: bfloat16 = autocast with float32 master weights (trainer, torch engine; "
+        "vllm: the server's --dtype)"))
+    kv_reuse: bool = Field(True, description="torch engine: keep each episode's KV cache across its turns")
+    recompute_after_swap: bool = Field(False, description=(
+        "torch engine: re-prefill an episode whose kept KV cache was computed by older weights "
+        "(default: reuse it; the cache then mixes versions, docs/engines.md)"))
+    url: str | None = Field(None, description="vllm: an already running server (http://host:port); sao starts none")
+    python: str = Field(".venv-vllm/bin/python", description=(
+        "vllm: the Python of the vLLM environment that sao starts the server with (bash scripts/install.sh vllm)"))
+    server_args: list[str] = Field(default_factory=list, description="vllm: extra arguments for the server sao starts")
+    weight_transport: Literal["reload", "nccl", "ipc"] = Field("reload", description=(
+        "vllm: how new weights reach the server: reload (safetensors on /dev/shm, works on CPU), "
+        "nccl or ipc (vLLM's GPU weight-transfer backends)"))
+    startup_timeout_s: float = Field(300.0, gt=0, description="vllm: wait this long for a started server to be healthy")
+    request_timeout_s: float = Field(600.0, gt=0, description="vllm: limit on one generate request")
+    max_restarts: int = Field(3, ge=0, description="vllm: restarts of a dead server sao started before giving up")
+
+
 class EvalConfig(Section):
     every: int = Field(50, ge=0, description="evaluate every this many steps (0: only start and end)")
     num_tasks: int = Field(200, ge=1, description="held-out tasks per evaluation")
@@ -146,6 +170,7 @@ class Config(Section):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     # dotted key -> "file" or "override", filled by load_config; see value_sources

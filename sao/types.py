@@ -21,6 +21,7 @@ class Status(str, enum.Enum):
     OK = "ok"  # the environment said done
     TRUNCATED = "truncated"  # turn limit or token budget reached before done
     ENV_ERROR = "env_error"  # the environment raised; the reason holds the message
+    ENGINE_ERROR = "engine_error"  # the engine failed (forward pass, dead server); the worker re-runs it
     TIMEOUT = "timeout"  # the environment or sandbox ran past its time limit
     ABORTED = "aborted"  # the run stopped while the episode was in flight
 

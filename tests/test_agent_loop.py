@@ -15,12 +15,17 @@ class ScriptedEngine:
 
     def __init__(self, codec, turns, version=7):
         self.codec, self.turns, self.version, self.prompts = codec, list(turns), version, []
+        self.sessions, self.released = [], []
 
-    async def generate(self, prompt_ids, params):
+    async def generate(self, prompt_ids, params, session=None):
         self.prompts.append(list(prompt_ids))
+        self.sessions.append(session)
         ids = self.codec.action_ids(self.turns.pop(0))[: params.max_new_tokens]
         stop = ids[-1] == self.codec.eos_id
         return Generation(ids, [-0.5] * len(ids), [self.version] * len(ids), "stop" if stop else "length")
+
+    def release(self, session):
+        self.released.append(session)
 
 
 def _run(env, task, engine, codec, **limits):
@@ -39,6 +44,7 @@ def test_two_turn_episode_tokens_mask_and_reward(tiny):
     assert traj.token_ids == p + a1 + o1 + a2  # tokens in, tokens out: nothing re-tokenized
     assert traj.action_mask == [0] * len(p) + [1] * len(a1) + [0] * len(o1) + [1] * len(a2)
     assert engine.prompts[1] == p + a1 + o1  # the second turn continues from exactly those tokens
+    assert engine.sessions == [traj.id] * 2 and engine.released == [traj.id]  # one KV session per episode
     assert traj.behavior_logprobs == [0.0] * len(p) + [-0.5] * len(a1) + [0.0] * len(o1) + [-0.5] * len(a2)
     assert [v for v, m in zip(traj.token_versions, traj.action_mask) if m] == [7] * (len(a1) + len(a2))
     assert (traj.status, traj.reward, traj.turns, traj.prompt_len) == (Status.OK, 1.0, 2, len(p))

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import pytest
 import torch
 
 from sao.engine.torch_engine import TorchEngine, sample_tokens
@@ -110,3 +111,164 @@ def test_a_failing_forward_pass_fails_the_waiting_requests(tiny):
 
     (result,) = asyncio.run(asyncio.wait_for(main(), 30))
     assert isinstance(result, Exception)
+
+
+def _multi_turn(engine, codec, n_episodes=4, turns=3, seed_obs="<result>{}</result>"):
+    """n concurrent episodes of `turns` turns each (staggered), observations appended between turns."""
+    params = SamplingParams(max_new_tokens=12)
+
+    async def episode(i):
+        await asyncio.sleep(0.001 * i)
+        ids = codec.prompt_ids([{"role": "user", "content": "7*6+" * (i % 3 + 1)}])
+        actions = []
+        for t in range(turns):
+            gen = await engine.generate(ids, params, session=f"ep{i}")
+            actions.append(gen)
+            ids = ids + gen.token_ids + codec.observation_ids(seed_obs.format(i * 10 + t))
+        engine.release(f"ep{i}")
+        return ids, actions
+
+    async def main():
+        try:
+            return await asyncio.gather(*(episode(i) for i in range(n_episodes)))
+        finally:
+            await engine.close()
+
+    return asyncio.run(main())
+
+
+def test_cross_turn_kv_reuse_equals_reprefilling(tiny):
+    """Reference (re-prefill every turn) vs fast (episode KV kept across turns): same seed, same tokens,
+    log-probs equal within fp tolerance, and both equal the trainer's full forward pass."""
+    model, codec = tiny
+    pad = codec.tokenizer.pad_token_id
+    fast = TorchEngine(model, pad, max_batch=8, seed=3, kv_reuse=True)
+    ref = TorchEngine(model, pad, max_batch=8, seed=3, kv_reuse=False)
+    got, want = _multi_turn(fast, codec), _multi_turn(ref, codec)
+    assert fast.stats["reused_tokens"] > 0 and ref.stats["reused_tokens"] == 0
+    assert fast.stats["prefill_tokens"] < ref.stats["prefill_tokens"] / 2
+    for (ids_f, gens_f), (ids_r, gens_r) in zip(got, want):
+        assert ids_f == ids_r
+        lp_f = torch.tensor([x for g in gens_f for x in g.logprobs])
+        lp_r = torch.tensor([x for g in gens_r for x in g.logprobs])
+        assert torch.allclose(lp_f, lp_r, atol=1e-5)
+    ids, gens = got[0]  # and against the trainer's log-probs of the whole conversation
+    full = torch.tensor([ids])
+    with torch.no_grad():
+        lp = sequence_logprobs(model, full, torch.ones_like(full))[0]
+    pos, engine_lp = [], []
+    cursor = len(codec.prompt_ids([{"role": "user", "content": "7*6+"}]))
+    for t, g in enumerate(gens):
+        pos += list(range(cursor, cursor + len(g.token_ids)))
+        engine_lp += g.logprobs
+        cursor += len(g.token_ids) + len(codec.observation_ids(f"<result>{t}</result>"))
+    assert torch.allclose(lp[pos], torch.tensor(engine_lp), atol=1e-4)
+
+
+def test_prefill_computes_logits_for_the_last_position_only(tiny):
+    model, codec = tiny
+    widths = []
+    hook = model.lm_head.register_forward_hook(lambda mod, inp, out: widths.append(inp[0].shape[1]))
+    try:
+        _multi_turn(TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=8, seed=0), codec, 2, 2)
+    finally:
+        hook.remove()
+    assert widths and set(widths) == {1}
+
+
+def test_recompute_after_swap_drops_a_kept_cache_of_older_weights(tiny):
+    model, codec = tiny
+    engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=4, seed=0, recompute_after_swap=True)
+    ids = codec.prompt_ids([{"role": "user", "content": "1+2"}])
+    params = SamplingParams(max_new_tokens=5)
+
+    async def main():
+        g1 = await engine.generate(ids, params, session="e")
+        ids2 = ids + g1.token_ids + codec.observation_ids("<result>3</result>")
+        await engine.generate(ids2, params, session="e")
+        reused = engine.stats["reused_tokens"]
+        engine.weight_source = _Weights(model.parameters(), version=1)  # a swap between turns
+        g2 = await engine.generate(ids2 + [codec.eos_id], params, session="e")
+        await engine.close()
+        return reused, g2
+
+    reused, g2 = asyncio.run(main())
+    assert reused > 0 and engine.stats["reused_tokens"] == reused  # the third turn re-prefilled everything
+    assert g2.versions == [1] * len(g2.token_ids)
+
+
+def test_prompt_beyond_context_length_is_a_clear_error(tiny):
+    model, codec = tiny
+    from sao.engine.base import ContextLengthError
+
+    engine = TorchEngine(model, codec.tokenizer.pad_token_id)
+    too_long = [codec.eos_id] * model.config.max_position_embeddings
+    with pytest.raises(ContextLengthError, match="context length 256"):
+        asyncio.run(engine.generate(too_long, SamplingParams()))
+    # a prompt that fits but leaves little room stops at the context length instead of running past it
+    near = [codec.eos_id] * (model.config.max_position_embeddings - 3)
+
+    async def main():
+        try:
+            return await engine.generate(near, SamplingParams(max_new_tokens=50))
+        finally:
+            await engine.close()
+
+    gen = asyncio.run(main())
+    assert len(gen.token_ids) <= 3
+
+
+def test_sliding_window_model_is_refused_in_one_line():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from sao.engine.base import UnsupportedModelError
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, sliding_window=16)
+    with pytest.raises(UnsupportedModelError, match="sliding|DynamicSlidingWindowLayer") as err:
+        TorchEngine(AutoModelForCausalLM.from_config(config), pad_id=0)
+    assert "\n" not in str(err.value)
+
+
+def test_engine_fault_is_an_engine_error_episode(tiny):
+    from sao.engine.base import EngineError
+    from sao.envs import make_environment
+    from sao.rollout.agent_loop import EpisodeLimits, run_episode
+    from sao.types import Status, Task
+
+    model, codec = tiny
+    engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=4, seed=0)
+    hook = model.model.embed_tokens.register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    env = make_environment("calc", {}, seed=0).new_episode(None)
+
+    async def main():
+        try:
+            return await run_episode(env, Task("t", "1+1", 2), engine, codec, SamplingParams(), EpisodeLimits())
+        finally:
+            await engine.close()
+
+    try:
+        traj = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        hook.remove()
+    assert traj.status == Status.ENGINE_ERROR and "boom" in traj.status_reason
+    assert issubclass(EngineError, RuntimeError)
+
+
+def test_bf16_autocast_path_runs_with_fp32_master_weights(tiny):
+    model, codec = tiny
+    engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=4, seed=0, dtype=torch.bfloat16)
+    ids = codec.prompt_ids([{"role": "user", "content": "12+3"}])
+
+    async def main():
+        try:
+            return await engine.generate(ids, SamplingParams(max_new_tokens=8))
+        finally:
+            await engine.close()
+
+    gen = asyncio.run(main())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    full = torch.tensor([ids + gen.token_ids])
+    with torch.no_grad():
+        lp = sequence_logprobs(model, full, torch.ones_like(full))[0, len(ids):]
+    assert torch.allclose(lp, torch.tensor(gen.logprobs), atol=0.1)  # bf16 matmuls vs the fp32 trainer

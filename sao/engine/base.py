@@ -1,4 +1,4 @@
-"""The engine protocol (docs/architecture.md §3) and the weight-source seam it pulls new weights from."""
+"""The engine protocol (docs/architecture.md §3), its errors, and the weight-source seam engines pull weights from."""
 
 from __future__ import annotations
 
@@ -7,6 +7,19 @@ from typing import Protocol
 import torch
 
 from sao.types import Generation, SamplingParams
+
+
+class EngineError(RuntimeError):
+    """The engine (not the environment) failed: a forward pass raised, a vLLM server died or answered
+    garbage. The agent loop ends the episode with status `engine_error`; the rollout worker re-runs it."""
+
+
+class ContextLengthError(ValueError):
+    """A prompt does not fit the model's context length (one line, naming both lengths)."""
+
+
+class UnsupportedModelError(ValueError):
+    """The engine cannot serve this model's cache layout (sliding-window or hybrid attention)."""
 
 
 class WeightSource(Protocol):
@@ -18,8 +31,15 @@ class WeightSource(Protocol):
 
 
 class Engine(Protocol):
+    """Tokens in, tokens out. `session` names the episode a call belongs to, so an engine may keep that
+    episode's KV cache across turns; `release(session)` says the episode is over."""
+
     version: int
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, session: str | None = None) -> Generation: ...
 
-    def update_weights(self, source: WeightSource) -> bool: ...
+    def release(self, session: str) -> None: ...
+
+    def update_weights(self, source: WeightSource | None = None) -> bool: ...
+
+    async def close(self) -> None: ...

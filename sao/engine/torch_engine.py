@@ -1,24 +1,51 @@
-"""The built-in torch engine: continuous batching with a KV cache and in-flight weight swaps.
+"""The built-in torch engine: continuous batching with a KV cache, episode caches kept across turns,
+in-flight weight swaps.
 
 Every `generate` call is a request; one decode loop serves all of them. Each loop iteration
 (1) swaps in newer weights if the weight source has them, (2) prefills newly arrived requests and
-merges their KV caches into the running batch (left padding, explicit position ids), (3) decodes
-one token for every running sequence, recording for each token its log-prob under the
-distribution it was sampled from and the policy version of the weights that produced it, and
-(4) retires finished sequences. Sequences in flight survive a weight swap: their later tokens carry
-the new version, exactly as docs/algorithm.md §6 describes.
+merges their KV caches into the running batch (explicit attention masks and position ids), (3) decodes
+one token for every running sequence, recording for each token its log-prob under the distribution it
+was sampled from and the policy version of the weights that produced it, and (4) retires finished
+sequences. Sequences in flight survive a weight swap: their later tokens carry the new version, exactly
+as docs/algorithm.md §6 describes.
+
+Cross-turn reuse: a request that names its episode (`session`) leaves that episode's KV cache behind
+when it finishes; the episode's next turn (the same tokens plus the sampled action and the new
+observation) prefills only the tokens the cache does not hold. Versions: a token's version is the
+version of the weights that ran the forward pass which sampled it. Its context's KV entries may come
+from older weights, both after an in-flight swap and when a kept cache is reused after a swap: the KV
+cache then mixes versions. `recompute_after_swap=True` drops a kept cache computed under older weights
+and re-prefills the conversation under the current ones (the KV of a request already decoding is never
+recomputed). The trainer recomputes log-probs itself, so the behavior log-prob stays what was sampled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from sao.engine.base import WeightSource
+from sao.device import autocast
+from sao.engine.base import ContextLengthError, EngineError, UnsupportedModelError, WeightSource
+from sao.engine.sampling import sample_tokens
 from sao.types import Generation, SamplingParams
+
+__all__ = ["TorchEngine", "sample_tokens", "check_cache_layout"]
+
+
+@dataclass
+class _Kept:
+    """An episode's KV cache between turns: K/V of `tokens`, one (1, H, L, D) pair per layer."""
+
+    tokens: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    oldest_version: int  # the oldest weights that computed any of these entries
 
 
 @dataclass
@@ -26,58 +53,48 @@ class _Request:
     prompt_ids: list[int]
     params: SamplingParams
     future: asyncio.Future
+    session: str | None
+    max_new: int
+    oldest_version: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
 
 
-def sample_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, V) logits -> sampled ids (N,) and their log-probs (N,) under the sampling distribution.
+def check_cache_layout(model) -> None:
+    """Refuse models whose cache is not one full-attention K/V per layer (sliding window, hybrid)."""
+    config = model.config
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
+    if kinds != {DynamicLayer.__name__}:
+        raise UnsupportedModelError(f"model {config.model_type!r}: the torch engine serves full-attention caches "
+                                    f"only, this model's cache has {sorted(kinds)} layers (use engine.name=vllm)")
 
-    Greedy rows (temperature 0) report the log-prob of the argmax under the model's softmax.
-    """
-    logits = logits.float()
-    out_ids = torch.empty(logits.shape[0], dtype=torch.long)
-    out_lp = torch.empty(logits.shape[0])
-    exact = [i for i, p in enumerate(params) if p.is_exact]
-    if len(exact) == len(params):  # the common training path: one vectorized draw
-        logp = torch.log_softmax(logits, dim=-1)
-        ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-        return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
-    for i, p in enumerate(params):
-        row = logits[i]
-        if p.temperature == 0:
-            tok = int(row.argmax())
-            out_ids[i], out_lp[i] = tok, torch.log_softmax(row, -1)[tok]
-            continue
-        row = row / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-            drop = cum - torch.softmax(sorted_logits, -1) > p.top_p
-            row = row.masked_fill(torch.zeros_like(row, dtype=torch.bool).scatter(0, order, drop), float("-inf"))
-        logp = torch.log_softmax(row, -1)
-        tok = int(torch.multinomial(logp.exp(), 1, generator=generator))
-        out_ids[i], out_lp[i] = tok, logp[tok]
-    return out_ids, out_lp
+
+def context_length(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 1 << 30))
 
 
 class TorchEngine:
     """Async batched generation over one HF causal LM. Use from a single asyncio event loop."""
 
     def __init__(self, model, pad_id: int, max_batch: int = 64, seed: int = 0, version: int = 0,
-                 weight_source: WeightSource | None = None):
+                 weight_source: WeightSource | None = None, kv_reuse: bool = True,
+                 recompute_after_swap: bool = False, dtype: torch.dtype = torch.float32,
+                 max_sessions: int | None = None):
+        check_cache_layout(model)
         self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.dtype = dtype
         self.pad_id = pad_id
         self.max_batch = max_batch
         self.version = version
         self.weight_source = weight_source
-        self.generator = torch.Generator().manual_seed(seed)
+        self.kv_reuse = kv_reuse
+        self.recompute_after_swap = recompute_after_swap
+        self.context_length = context_length(model)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()
+        self._max_kept = max_sessions or 4 * max_batch
         self._pending: list[_Request] = []
         self._admitting: list[_Request] = []  # being prefilled right now
         self._wake: asyncio.Event | None = None
@@ -85,22 +102,32 @@ class TorchEngine:
         # running batch
         self._active: list[_Request] = []
         self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None  # (B, L) 1 = real token, 0 = left padding
+        self._mask: torch.Tensor | None = None  # (B, L) 1 = real token, 0 = padding
         self._next_pos: torch.Tensor | None = None  # (B,)
         self._last: torch.Tensor | None = None  # (B,) token fed at the next step
-        self.stats = {"decode_steps": 0, "tokens": 0, "weight_swaps": 0, "busy_s": 0.0}
+        self.stats = {"decode_steps": 0, "tokens": 0, "weight_swaps": 0, "busy_s": 0.0,
+                      "prefill_tokens": 0, "reused_tokens": 0}
 
     # -- public API -------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, session: str | None = None) -> Generation:
         if not prompt_ids:
             raise ValueError("generate: empty prompt")
+        if len(prompt_ids) >= self.context_length:
+            raise ContextLengthError(f"prompt of {len(prompt_ids)} tokens does not fit the model's context length "
+                                     f"{self.context_length} (config max_position_embeddings)")
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
-        req = _Request(list(prompt_ids), params, asyncio.get_running_loop().create_future())
+        max_new = min(params.max_new_tokens, self.context_length - len(prompt_ids))
+        req = _Request(list(prompt_ids), params, asyncio.get_running_loop().create_future(),
+                       session if self.kv_reuse else None, max_new)
         self._pending.append(req)
         self._wake.set()
         return await req.future
+
+    def release(self, session: str) -> None:
+        """The episode is over: drop its kept KV cache."""
+        self._kept.pop(session, None)
 
     def update_weights(self, source: WeightSource | None = None) -> bool:
         """Swap in newer weights now if the source has them (between decode steps)."""
@@ -113,6 +140,7 @@ class TorchEngine:
         return True
 
     async def close(self) -> None:
+        self._kept.clear()
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
@@ -128,23 +156,23 @@ class TorchEngine:
         try:
             await self._loop()
         except Exception as exc:  # a failed forward pass must fail the waiting episodes, not hang them
+            err = EngineError(f"torch engine: {type(exc).__name__}: {exc}"[:500])
             for req in self._active + self._admitting + self._pending:
                 if not req.future.done():
-                    req.future.set_exception(exc)
+                    req.future.set_exception(err)
             self._active, self._admitting, self._pending = [], [], []
             self._cache = self._mask = self._next_pos = self._last = None
-            raise
+            self._kept.clear()
+            raise err from exc
 
     async def _loop(self) -> None:
-        import time
-
         while True:
             if not self._active and not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
             t0 = time.perf_counter()
             self.update_weights()
-            with torch.no_grad():
+            with torch.no_grad(), autocast(self.device, self.dtype):
                 if self._pending and len(self._active) < self.max_batch:
                     room = self.max_batch - len(self._active)
                     self._admitting, self._pending = self._pending[:room], self._pending[room:]
@@ -165,16 +193,51 @@ class TorchEngine:
         self.stats["tokens"] += len(reqs)
         return ids
 
+    def _claim(self, req: _Request) -> _Kept | None:
+        """The episode's kept cache if it covers a strict prefix of this prompt (and is fresh enough)."""
+        kept = self._kept.pop(req.session, None) if req.session is not None else None
+        if kept is None or len(kept.tokens) >= len(req.prompt_ids) or req.prompt_ids[:len(kept.tokens)] != kept.tokens:
+            return None
+        if self.recompute_after_swap and kept.oldest_version != self.version:
+            return None
+        return kept
+
     def _prefill(self, reqs: list[_Request]) -> None:
-        n, length = len(reqs), max(len(r.prompt_ids) for r in reqs)
-        ids = torch.full((n, length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, length), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, length - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[i, length - len(r.prompt_ids):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        """One forward pass over the tokens of `reqs` that no kept cache holds; logits of the last only.
+
+        Layout per row: [left-padded kept K/V (width P) | left-padded new tokens (width S)]; the holes
+        are masked out and position ids continue each row's own sequence."""
+        kept = [self._claim(r) for r in reqs]
+        past = [len(k.tokens) if k else 0 for k in kept]
+        new = [r.prompt_ids[p:] for r, p in zip(reqs, past)]
+        n, width_p, width_s = len(reqs), max(past), max(len(s) for s in new)
+        dev = self.device
+        ids = torch.full((n, width_s), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width_p + width_s), dtype=torch.long)
+        pos = torch.zeros((n, width_s), dtype=torch.long)
+        for i, (p, s) in enumerate(zip(past, new)):
+            ids[i, width_s - len(s):] = torch.tensor(s)
+            mask[i, width_p - p: width_p] = 1
+            mask[i, width_p + width_s - len(s):] = 1
+            pos[i, width_s - len(s):] = torch.arange(p, p + len(s))
+        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        if width_p:
+            for layer in range(len(cache.layers)):
+                ref = next(k for k in kept if k is not None).keys[layer]
+                shape = (n, ref.shape[1], width_p, ref.shape[3])
+                keys, values = ref.new_zeros(shape), ref.new_zeros(shape)
+                for i, k in enumerate(kept):
+                    if k is not None:
+                        keys[i, :, width_p - past[i]:] = k.keys[layer][0]
+                        values[i, :, width_p - past[i]:] = k.values[layer][0]
+                cache.update(keys, values, layer)
+        for r, k in zip(reqs, kept):
+            r.oldest_version = min(k.oldest_version, self.version) if k else self.version
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                         logits_to_keep=1)
+        self.stats["prefill_tokens"] += sum(len(s) for s in new)
+        self.stats["reused_tokens"] += sum(past)
         last = self._record(reqs, out.logits[:, -1])
         self._merge(reqs, cache, mask, pos[:, -1] + 1, last)
 
@@ -201,7 +264,8 @@ class TorchEngine:
         self._active = self._active + reqs
 
     def _decode_step(self) -> None:
-        mask = torch.cat([self._mask, torch.ones((len(self._active), 1), dtype=torch.long)], 1)
+        n = len(self._active)
+        mask = torch.cat([self._mask, torch.ones((n, 1), dtype=torch.long, device=self.device)], 1)
         out = self.model(input_ids=self._last[:, None], attention_mask=mask,
                          position_ids=self._next_pos[:, None], cache=self._cache, use_cache=True)
         self._mask = mask
@@ -209,11 +273,25 @@ class TorchEngine:
         self._last = self._record(self._active, out.logits[:, -1])
         self.stats["decode_steps"] += 1
 
+    def _keep(self, i: int, req: _Request) -> None:
+        """Keep row i's K/V (prompt + all sampled tokens but the last, which was never fed) for the next turn."""
+        cols = self._mask[i].nonzero().squeeze(-1)
+        tokens = req.prompt_ids + req.token_ids[:-1]
+        if len(cols) != len(tokens):  # a bookkeeping bug must not corrupt the next turn: recompute instead
+            return
+        self._kept[req.session] = _Kept(tokens, [layer.keys[i: i + 1, :, cols] for layer in self._cache.layers],
+                                        [layer.values[i: i + 1, :, cols] for layer in self._cache.layers],
+                                        req.oldest_version)
+        while len(self._kept) > self._max_kept:
+            self._kept.popitem(last=False)
+
     def _retire(self) -> None:
         keep = []
         for i, r in enumerate(self._active):
             stop = r.token_ids[-1] in r.params.stop_token_ids
-            if stop or len(r.token_ids) >= r.params.max_new_tokens:
+            if stop or len(r.token_ids) >= r.max_new:
+                if r.session is not None:
+                    self._keep(i, r)
                 if not r.future.done():
                     r.future.set_result(Generation(r.token_ids, r.logprobs, r.versions, "stop" if stop else "length"))
             else:
@@ -223,7 +301,7 @@ class TorchEngine:
         if not keep:
             self._active, self._cache, self._mask, self._next_pos, self._last = [], None, None, None, None
             return
-        idx = torch.tensor(keep)
+        idx = torch.tensor(keep, device=self.device)
         mask = self._mask[idx]
         start = int(mask.argmax(dim=1).min())  # drop columns that are padding in every row
         for layer in self._cache.layers:

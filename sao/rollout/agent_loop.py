@@ -9,7 +9,9 @@
         else -> ids += observation tokens         action_mask = 0 (rendered via the chat template)
 
 An exception raised by the environment ends only this episode (status `env_error`, message kept);
-a step past `step_timeout_s` ends it with status `timeout`.
+a step past `step_timeout_s` ends it with status `timeout`; an engine failure (`EngineError`) ends it
+with status `engine_error` (the rollout worker re-runs its task). Every `generate` names the episode
+(`session`), so the engine may keep its KV cache across turns; it is released when the episode ends.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-from sao.engine.base import Engine
+from sao.engine.base import Engine, EngineError
 from sao.envs.base import Env
 from sao.models.chat import ChatCodec
 from sao.types import SamplingParams, Status, Task, Trajectory
@@ -68,7 +70,7 @@ async def run_episode(env: Env, task: Task, engine: Engine, codec: ChatCodec, pa
             if budget <= 0:
                 traj.status_reason = "token limit"
                 break
-            gen = await engine.generate(traj.token_ids, replace(params, max_new_tokens=budget))
+            gen = await engine.generate(traj.token_ids, replace(params, max_new_tokens=budget), session=traj.id)
             append(gen.token_ids, gen.logprobs, gen.versions)
             traj.turns = turn + 1
             if gen.finish_reason != "stop":
@@ -85,7 +87,11 @@ async def run_episode(env: Env, task: Task, engine: Engine, codec: ChatCodec, pa
     except asyncio.CancelledError:
         traj.status, traj.status_reason = Status.ABORTED, "cancelled"
         raise
+    except EngineError as exc:
+        traj.status, traj.status_reason = Status.ENGINE_ERROR, str(exc)[:500]
     except Exception as exc:  # a user environment's bug ends this episode only
         traj.status, traj.status_reason = Status.ENV_ERROR, f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        engine.release(traj.id)
     traj.finished_at = time.time()
     return traj
