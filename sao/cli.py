@@ -1,6 +1,7 @@
 """`sao` command line: train, sft, eval, report.
 
     sao train [CONFIG.yaml] [key=value ...] [--sync] [--quiet]
+    sao train --resume RUN [key=value ...]           continue a run from its latest checkpoint
     sao sft   [CONFIG.yaml] [key=value ...]          build + SFT-warm-start the built-in model alone
     sao eval  RUN_OR_MODEL [key=value ...]            held-out accuracy of a run's final policy or a model
     sao pretrain-critic [CONFIG.yaml] [key=value ...] --out DIR   value pretraining (cold start)
@@ -54,13 +55,23 @@ def _config(args: list[str], extra: list[str] | None = None) -> Config:
 def cmd_train(ns) -> int:
     from sao.runtime.preflight import preflight
 
-    cfg = _config(ns.args, (["runtime.mode=sync"] if ns.sync else []) + (["output.progress=false"] if ns.quiet else []))
-    preflight(cfg)  # fail fast on bad input, before torch is imported or anything is written
+    extra = (["runtime.mode=sync"] if ns.sync else []) + (["output.progress=false"] if ns.quiet else [])
+    if ns.resume:
+        run = Path(ns.resume)
+        if not (run / "checkpoints" / "latest").is_file() or not (run / "config.yaml").is_file():
+            raise ConfigError(f"--resume: {str(run)!r} is not a run directory with a checkpoint")
+        path, overrides = _split(ns.args)
+        if path is not None:
+            raise ConfigError("--resume: the run's own config.yaml is used; give only key=value overrides")
+        cfg = load_config(run / "config.yaml", overrides + extra)
+    else:
+        cfg = _config(ns.args, extra)
+    preflight(cfg, resume=bool(ns.resume))  # fail fast on bad input, before torch is imported or anything is written
     from sao.runtime.progress import RunProgress
     from sao.runtime.train import train
 
     progress = RunProgress(enabled=cfg.output.progress)
-    result = train(cfg, progress)
+    result = train(cfg, progress, resume=ns.resume)
     print(f"run directory: {result.run_dir}")
     print(f"held-out accuracy: {result.accuracy_before:.3f} (start) -> {result.accuracy_after:.3f} (final) "
           f"after {result.steps} steps in {result.wall_s:.0f}s")
@@ -69,9 +80,9 @@ def cmd_train(ns) -> int:
 
 def cmd_sft(ns) -> int:
     from sao.envs import make_environment
-    from sao.runtime.local import quiet_transformers
     from sao.runtime.model_setup import prepare_base_model
     from sao.runtime.progress import RunProgress
+    from sao.runtime.worker_host import quiet_transformers
 
     cfg = _config(ns.args)
     quiet_transformers()
@@ -103,8 +114,8 @@ def cmd_eval(ns) -> int:
     from sao.models.tiny import load_model
     from sao.models.tokenizer import load_tokenizer
     from sao.runtime.evaluate import evaluate
-    from sao.runtime.local import quiet_transformers
     from sao.runtime.train import limits_of
+    from sao.runtime.worker_host import quiet_transformers
 
     model_path, run_cfg = _resolve_model(ns.target)
     cfg = load_config(run_cfg, ns.args) if run_cfg else _config(ns.args)
@@ -120,8 +131,8 @@ def cmd_eval(ns) -> int:
 
 
 def cmd_pretrain_critic(ns) -> int:
-    from sao.runtime.local import quiet_transformers
     from sao.runtime.preflight import preflight
+    from sao.runtime.worker_host import quiet_transformers
 
     cfg = _config(ns.args)
     preflight(cfg)
@@ -162,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", help="CONFIG.yaml and/or dotted overrides key=value (see: sao config)")
     p.add_argument("--sync", action="store_true", help="generate a batch, then train (no overlap)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--resume", metavar="RUN", help="continue RUN from its latest checkpoint (same files)")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("sft", help="build and SFT-warm-start the built-in tiny model (cached)")
     p.add_argument("args", nargs="*")
@@ -207,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             return USAGE_ERROR
         raise
     except RuntimeError as exc:
-        if type(exc).__name__ != "ParityError":
+        if type(exc).__name__ not in ("ParityError", "StalledError"):
             raise
         print(f"sao: error: {exc}", file=sys.stderr)
         return 1

@@ -113,13 +113,25 @@ class TrainConfig(Section):
 
 
 class RuntimeConfig(Section):
-    backend: Literal["local"] = Field("local", description="local: one machine (processes + shared memory)")
+    backend: Literal["local", "ray"] = Field("local", description=(
+        "local: worker processes on this machine (shared memory); ray: workers and queue as Ray actors "
+        "(pip install 'sao[ray]')"))
     mode: Literal["async", "sync"] = Field("async", description="async overlap, or sync: generate then train")
-    max_lag: int = Field(2, ge=0, description="staleness bound in policy versions (pacing + drop)")
-    sync_every: int = Field(1, ge=1, description="publish weights every this many actor steps")
-    rollout_threads: int = Field(1, ge=1, description="torch intra-op threads of the rollout process")
+    rollout_workers: int = Field(1, ge=1, description="rollout workers, each with its own engine and episode slots")
+    max_lag: int = Field(2, ge=0, description=(
+        "staleness bound in policy versions: trajectories older than this are dropped at dequeue; pacing "
+        "keeps at most (max_lag + 1) batches in flight"))
+    sync_every: int = Field(1, ge=1, description="publish weights every this many actor steps (<= max_lag + 1)")
+    rollout_threads: int = Field(1, ge=1, description="torch intra-op threads of each rollout worker")
     trainer_threads: int = Field(1, ge=1, description="torch intra-op threads of the trainer")
     parity_tol: float = Field(1e-4, gt=0, description="max |engine - trainer| log-prob at step 0")
+    receive_timeout_s: float = Field(300.0, gt=0, description=(
+        "stop the run with a message when no trajectory arrives for this long"))
+    ray_address: str | None = Field(None, description="ray: join this cluster (e.g. 'auto'); empty = start a local one")
+    ray_num_cpus: int | None = Field(None, ge=1, description="ray: CPUs of the local cluster (default: all)")
+    ray_object_store_mb: int = Field(256, ge=64, description="ray: object store size of the local cluster in MiB")
+    worker_num_cpus: float = Field(1.0, ge=0, description="ray: CPUs reserved per rollout worker actor")
+    worker_num_gpus: float = Field(0.0, ge=0, description="ray: GPUs reserved per rollout worker actor")
 
 
 class EngineConfig(Section):

@@ -109,3 +109,50 @@ class Trajectory:
         row = json.loads(line)
         row["status"] = Status(row["status"])
         return cls(**row)
+
+
+# -- records between the trainer and its rollout workers (runtime backends) -----------------------
+# Versions: `version` is always a policy version = actor optimizer steps taken. The trainer's
+# version is what it trains next; an engine's version is what its weights are; a token's version
+# is the engine version that sampled it (Trajectory.token_versions).
+
+
+@dataclass
+class Assignment:
+    """One episode the trainer issues to a worker; `id` is unique in the run (audit key, trajectory id)."""
+
+    id: str
+    task: Task
+    trainer_step: int = 0  # optimizer steps the trainer had taken when it issued this (EpisodeContext)
+
+
+@dataclass
+class Finished:
+    """A worker finished an assignment (any status)."""
+
+    worker: int
+    trajectory: Trajectory
+
+
+@dataclass
+class WorkerStats:
+    """A worker's counters since it started (sent about once a second)."""
+
+    worker: int
+    version: int  # engine version
+    tokens: int = 0
+    busy_s: float = 0.0  # engine time spent in forward passes
+    wall_s: float = 0.0
+    hung_steps: int = 0  # environment steps that ran past step_timeout_s and never returned
+    engine_errors: int = 0
+
+
+@dataclass
+class WorkerLost:
+    """A worker died; the backend restarted it. Its unfinished assignments must be issued again."""
+
+    worker: int
+    reason: str
+
+
+Record = Finished | WorkerStats | WorkerLost

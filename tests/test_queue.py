@@ -1,7 +1,11 @@
-"""Staleness: pacing at admission, drop at dequeue, refunds, untrainable episodes."""
+"""Staleness: pacing at admission, drop at dequeue, refunds, untrainable episodes, re-issue."""
 
-from sao.runtime.queue import Pacer, TrajectoryQueue
-from sao.types import Status, Trajectory
+import itertools
+import json
+
+from sao.runtime.queue import TrajectoryQueue, drop_reason
+from sao.runtime.scheduler import Audit, Scheduler, TaskStream
+from sao.types import Finished, Status, Task, Trajectory, WorkerLost
 
 
 def traj(version, status=Status.OK, n_actions=2):
@@ -11,13 +15,63 @@ def traj(version, status=Status.OK, n_actions=2):
                       prompt_len=2, status=status)
 
 
-def test_pacing_admits_max_lag_plus_one_batches_ahead():
-    pacer = Pacer(batch_size=2, max_lag=1)
-    assert sum(pacer.admit() for _ in range(10)) == 4  # (0 consumed + 1 + 1) * 2
-    pacer.mark_consumed()
-    assert sum(pacer.admit() for _ in range(10)) == 2
-    pacer.refund(1)  # a dropped episode frees its slot
-    assert pacer.admit() and not pacer.admit()
+class Recorder:
+    """The receiving end of `Backend.submit`, recording what each worker was handed."""
+
+    def __init__(self, workers):
+        self.workers, self.got = workers, {w: [] for w in range(workers)}
+
+    def submit(self, worker, items):
+        self.got[worker] += items
+
+
+def scheduler(tmp_path, workers=1, batch_size=2, max_lag=1, state=None):
+    tasks = TaskStream(Task(f"t{i}", "p") for i in itertools.count())
+    backend = Recorder(workers)
+    return Scheduler(backend, tasks, Audit(tmp_path / "audit.jsonl"), batch_size, max_lag, state), backend
+
+
+def test_pacing_admits_max_lag_plus_one_batches_ahead(tmp_path):
+    sched, backend = scheduler(tmp_path)
+    sched.fill(0)
+    assert len(backend.got[0]) == 4  # (0 consumed + 1 + 1) * 2
+    sched.fill(0)
+    assert len(backend.got[0]) == 4  # nothing more until a batch is consumed
+    sched.consumed += 1
+    sched.fill(1)
+    assert len(backend.got[0]) == 6
+    sched.dropped([traj(0)], 1, drop_reason)  # a dropped episode frees its slot
+    sched.fill(1)
+    assert len(backend.got[0]) == 7 and sched.tasks.cursor == 7
+
+
+def test_work_is_spread_over_workers_and_a_lost_workers_episodes_are_issued_again(tmp_path):
+    sched, backend = scheduler(tmp_path, workers=2, batch_size=2, max_lag=1)
+    sched.fill(0)
+    assert [len(backend.got[w]) for w in (0, 1)] == [2, 2]
+    first = backend.got[1][0]
+    q = TrajectoryQueue()
+    done = Trajectory(first.id, first.task.id, [1, 2], [0, 1], [0.0, -1.0], [-1, 0], 1)
+    assert sched.handle([Finished(1, done)], q, 1) == 1
+    sched.handle([WorkerLost(1, "killed")], q, 1)  # the other assignment of worker 1 was unfinished
+    sched.fill(1)
+    reissued = [a.id for a in backend.got[1][2:]]  # the restarted worker 1 is now the least loaded
+    assert reissued == [backend.got[1][1].id] and backend.got[0][2:] == []  # the same episode, not a fresh task
+    assert sched.tasks.cursor == 4
+    assert sched.handle([Finished(1, done)], q, 1) == 0  # a duplicate delivery is ignored
+    events = [json.loads(line)["event"] for line in open(tmp_path / "audit.jsonl")]
+    assert events.count("lost") == 1 and events.count("finished") == 1 and events.count("issued") == 5
+
+
+def test_scheduler_state_round_trips_pending_work(tmp_path):
+    sched, backend = scheduler(tmp_path)
+    sched.fill(0)
+    state = sched.state([])
+    again, backend2 = scheduler(tmp_path, state=state)
+    again.tasks = TaskStream((Task(f"t{i}", "p") for i in itertools.count()), state["cursor"])
+    again.fill(0)
+    assert [a.id for a in backend2.got[0]] == [a.id for a in backend.got[0]]  # the same ids, run again
+    assert again.tasks.cursor == 4 and again.issued == 4
 
 
 def test_drop_at_dequeue_counts_stale_and_failed():

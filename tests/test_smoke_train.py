@@ -61,6 +61,24 @@ def test_train_writes_a_complete_run_directory(async_run):
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["accuracy_after"] <= 1.0 and summary["steps"] == 4
     assert "train:\n  steps: 4" in (run / "config.yaml").read_text()
+    audit_is_clean(run)
+
+
+def audit_is_clean(run, steps=4, batch=4):
+    """Every issued episode is trained once, dropped once, or still pending in the final checkpoint."""
+    import torch
+
+    events = [json.loads(line) for line in (run / "audit.jsonl").read_text().splitlines()]
+    issued = {e["id"] for e in events if e["event"] == "issued"}
+    trained = [e["id"] for e in events if e["event"] == "trained"]
+    dropped = [e["id"] for e in events if e["event"] == "dropped"]
+    assert len(trained) == steps * batch and len(set(trained)) == len(trained)
+    assert not set(trained) & set(dropped) and len(set(dropped)) == len(dropped)
+    state = torch.load(run / "checkpoints" / "final" / "trainer_state.pt", weights_only=False)
+    pending = {a["id"] for a in state["scheduler"]["pending"]} | {json.loads(t)["id"] for t in state["queued"]}
+    assert issued == set(trained) | set(dropped) | pending  # nothing lost
+    assert not pending & (set(trained) | set(dropped))
+    return events, state
 
 
 def test_eval_and_report_on_the_run(async_run):

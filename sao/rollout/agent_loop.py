@@ -12,12 +12,16 @@ An exception raised by the environment ends only this episode (status `env_error
 a step past `step_timeout_s` ends it with status `timeout`; an engine failure (`EngineError`) ends it
 with status `engine_error` (the rollout worker re-runs its task). Every `generate` names the episode
 (`session`), so the engine may keep its KV cache across turns; it is released when the episode ends.
+A plain (synchronous) env step runs in its own daemon thread, not the shared default thread pool:
+a step that never returns holds only its own thread (counted by `hung_steps()`), so later
+episodes keep their capacity.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -36,22 +40,59 @@ class EpisodeLimits:
     step_timeout_s: float = 30.0
 
 
+_threads: list[threading.Thread] = []  # step threads that timed out; alive ones are hung
+
+
+def hung_steps() -> int:
+    """Environment steps of this process that timed out and have still not returned."""
+    _threads[:] = [t for t in _threads if t.is_alive()]
+    return len(_threads)
+
+
+def _in_thread(fn, *args) -> asyncio.Future:
+    """Run fn(*args) in a fresh daemon thread; the future resolves on the event loop."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not fut.done():
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def target() -> None:
+        try:
+            res = (True, fn(*args))
+        except BaseException as exc:  # delivered to the episode, which records it
+            res = (False, exc)
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(settle, *res)
+
+    thread = threading.Thread(target=target, daemon=True, name="sao-env-step")
+    thread.start()
+    fut.thread = thread
+    return fut
+
+
 async def _call(fn, *args, timeout: float):
-    """Await an async env method, or run a plain one in a worker thread, both under `timeout`, so a
+    """Await an async env method, or run a plain one in its own thread, both under `timeout`, so a
     hanging environment ends its own episode instead of blocking every episode of the event loop."""
     if inspect.iscoroutinefunction(fn):
         return await asyncio.wait_for(fn(*args), timeout)
-    result = await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout)
+    fut = _in_thread(fn, *args)
+    try:
+        result = await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except asyncio.TimeoutError:
+        _threads.append(fut.thread)
+        raise
     if inspect.isawaitable(result):  # e.g. a plain function returning a coroutine
         result = await asyncio.wait_for(result, timeout)
     return result
 
 
 async def run_episode(env: Env, task: Task, engine: Engine, codec: ChatCodec, params: SamplingParams,
-                      limits: EpisodeLimits) -> Trajectory:
+                      limits: EpisodeLimits, traj_id: str | None = None) -> Trajectory:
     started = time.time()
     params = replace(params, stop_token_ids=(codec.eos_id,))
-    traj = Trajectory(id=uuid.uuid4().hex[:12], task_id=task.id, token_ids=[], action_mask=[],
+    traj = Trajectory(id=traj_id or uuid.uuid4().hex[:12], task_id=task.id, token_ids=[], action_mask=[],
                       behavior_logprobs=[], token_versions=[], prompt_len=0, started_at=started)
 
     def append(ids: list[int], logprobs: list[float] | None = None, versions: list[int] | None = None):

@@ -1,21 +1,22 @@
-"""The rollout worker: `concurrency` episode slots sharing one engine, paced by the trainer.
+"""The rollout worker: `concurrency` episode slots sharing one engine, fed by the trainer.
 
-Each slot loops: wait for admission (the staleness pacing), take the next task, run one episode,
-emit the finished trajectory at once. There is no group barrier: a trajectory is emitted the
-moment it finishes.
+The trainer issues `Assignment`s (pacing and staleness accounting are global, in the trainer);
+the backend puts them into `inbox`. Each slot loops: await the next assignment (no polling), run
+one episode, emit the finished trajectory at once. There is no group barrier.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from sao.engine.base import Engine
 from sao.envs.base import EpisodeContext
 from sao.models.chat import ChatCodec
 from sao.rollout.agent_loop import EpisodeLimits, run_episode
-from sao.types import SamplingParams, Task, Trajectory
+from sao.types import Assignment, SamplingParams, Trajectory
+
+STOP = None  # put into the inbox once per slot to end the worker
 
 
 async def run_rollout_worker(
@@ -24,29 +25,23 @@ async def run_rollout_worker(
     codec: ChatCodec,
     params: SamplingParams,
     limits: EpisodeLimits,
-    tasks: Iterator[Task],
-    admit: Callable[[], bool],
+    inbox: asyncio.Queue,
     emit: Callable[[Trajectory], None],
     concurrency: int,
-    should_stop: Callable[[], bool],
-    trainer_version: Callable[[], int] = lambda: 0,
-) -> dict[str, float]:
-    """Run until `should_stop()`; returns time the slots spent waiting on pacing."""
-    waited = {"pacing_wait_s": 0.0, "episodes": 0}
+) -> int:
+    """Run assignments from `inbox` until each slot takes a `STOP`; returns episodes run."""
+    done = [0]
 
     async def slot() -> None:
-        while not should_stop():
-            if not admit():
-                t0 = time.perf_counter()
-                await asyncio.sleep(0.005)
-                waited["pacing_wait_s"] += time.perf_counter() - t0
-                continue
-            task = next(tasks)
-            ctx = EpisodeContext(policy_version=engine.version, trainer_version=trainer_version())
-            env = environment.new_episode(ctx)
-            traj = await run_episode(env, task, engine, codec, params, limits)
-            waited["episodes"] += 1
+        while True:
+            item: Assignment | None = await inbox.get()
+            if item is STOP:
+                return
+            ctx = EpisodeContext(policy_version=engine.version, trainer_version=item.trainer_step)
+            traj = await run_episode(environment.new_episode(ctx), item.task, engine, codec, params, limits,
+                                     traj_id=item.id)
+            done[0] += 1
             emit(traj)
 
     await asyncio.gather(*(slot() for _ in range(concurrency)))
-    return waited
+    return done[0]

@@ -1,137 +1,150 @@
-"""The `local` backend: one rollout process and the trainer (this process), joined by small seams.
+"""The `local` backend: `runtime.rollout_workers` processes on this machine, joined by pipes.
 
-    rollout process: TorchEngine (1 thread) + `concurrency` episode slots, paced by `Pacer`
-        └── finished Trajectory ──► mp.Queue ──► TrajectoryQueue (drop at dequeue) ──► Learner
-    trainer: publishes weights into SharedWeights every `sync_every` actor steps; the engine swaps
-             them in between decode steps while sequences are in flight.
+    trainer ──Assignment lists──► pipe ──► worker i (WorkerHost: engine + slots)
+    trainer ◄──Finished/WorkerStats── pipe ◄── worker i   (a sender thread: the event loop never blocks)
+    weights: one SharedWeights buffer (shared memory) that every engine polls between decode steps
 
-Rollout and training really overlap on two cores: each process pins its own intra-op threads.
-`sync` mode (for comparison) generates a batch, then trains, in this process alone.
+Each worker has its own pair of pipes, so a worker killed mid-message only breaks its own pipe.
+A worker never outlives the trainer: the kernel sends it SIGKILL when the trainer dies
+(PR_SET_PDEATHSIG), and a watchdog thread also exits it when its parent is gone, even while
+another thread is blocked writing to a full pipe. Ctrl-C reaches the whole process group; workers
+ignore it and let the trainer checkpoint and stop them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import multiprocessing as mp
+import ctypes
 import os
 import queue as queue_mod
+import signal
+import threading
 import time
-from dataclasses import dataclass
+from multiprocessing.connection import wait
 
 import torch
 
-from sao.types import SamplingParams, Trajectory
+from sao.runtime.backend import reseed
+from sao.runtime.weight_sync import SharedWeights
+from sao.runtime.worker_host import WorkerSpec
+from sao.types import Assignment, Record, WorkerLost
+
+PR_SET_PDEATHSIG = 1
 
 
-@dataclass
-class WorkerSpec:
-    model_path: str
-    env_name: str
-    env_options: dict
-    seed: int
-    limits: object  # EpisodeLimits
-    concurrency: int
-    threads: int
-    batch_size: int
-    max_lag: int
+def _never_outlive(parent_pid: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the watchdog below still works
+        pass
+
+    def watchdog() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watchdog, daemon=True, name="sao-watchdog").start()
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
-def quiet_transformers() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
+def worker_main(spec: WorkerSpec, weights: SharedWeights, inbox, outbox, parent_pid: int) -> None:
+    """Entry point of a worker process (spawned; heavy imports happen here, once)."""
+    _never_outlive(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import asyncio
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    from sao.runtime.worker_host import WorkerHost
 
+    pending: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
 
-def rollout_process_main(spec: WorkerSpec, weights, counters, trainer_step, out_q, stop) -> None:
-    """Entry point of the rollout process (spawned once; heavy imports happen here, once)."""
-    torch.set_num_threads(spec.threads)
-    quiet_transformers()
-    from sao.engine.torch_engine import TorchEngine
-    from sao.envs import make_environment
-    from sao.models.chat import ChatCodec
-    from sao.models.tiny import load_model
-    from sao.models.tokenizer import load_tokenizer
-    from sao.rollout.worker import run_rollout_worker
-    from sao.runtime.queue import Pacer
+    def sender() -> None:  # the only writer of `outbox`; may block on a full pipe, the loop does not
+        while True:
+            outbox.send(pending.get())
 
-    torch.manual_seed(spec.seed + 1)
-    codec = ChatCodec(load_tokenizer(spec.model_path))
-    model = load_model(spec.model_path)
-    engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=spec.concurrency, seed=spec.seed + 1,
-                         version=-1, weight_source=weights)
-    engine.update_weights()  # version 0 from the trainer
-    environment = make_environment(spec.env_name, spec.env_options, spec.seed)
-    started, consumed, refunded = counters
-    pacer = Pacer(spec.batch_size, spec.max_lag, started, consumed, refunded)
-    t_start = time.perf_counter()
-    last_stats = [0.0]
+    threading.Thread(target=sender, daemon=True, name="sao-sender").start()
+    host = WorkerHost(spec, weights, pending.put)
 
-    def emit(traj: Trajectory) -> None:
-        out_q.put(("traj", traj))
-        now = time.perf_counter()
-        if now - last_stats[0] > 1.0:
-            last_stats[0] = now
-            out_q.put(("stats", {**engine.stats, "wall_s": now - t_start, "version": engine.version}))
+    def reader() -> None:  # trainer -> slots; None items are STOPs
+        while True:
+            try:
+                items = inbox.recv()
+            except (EOFError, OSError):
+                items = [None] * spec.concurrency
+            host.submit(items)
+            if None in items:
+                return
 
-    params = SamplingParams(temperature=1.0)
-    parent = mp.parent_process()
-
-    def should_stop() -> bool:  # also when the trainer was killed: never outlive it
-        return stop.is_set() or (parent is not None and not parent.is_alive())
-
-    asyncio.run(run_rollout_worker(
-        engine, environment, codec, params, spec.limits, environment.train_tasks(), pacer.admit, emit,
-        spec.concurrency, should_stop, trainer_version=lambda: trainer_step.value,
-    ))
-    out_q.put(("stats", {**engine.stats, "wall_s": time.perf_counter() - t_start, "version": engine.version}))
-    out_q.put(("done", None))
+    asyncio.run(host.run(ready=lambda: threading.Thread(target=reader, daemon=True).start()))
+    time.sleep(0.5)  # let the sender flush the final stats
 
 
-class RolloutProcess:
-    """Trainer-side handle of the rollout process: start, receive, stop."""
-
-    def __init__(self, spec: WorkerSpec, weights, ctx):
-        self.ctx = ctx
-        self.counters = tuple(ctx.Value("q", 0, lock=False) for _ in range(3))  # pacing: started, consumed, refunded
-        self.trainer_step = ctx.Value("q", 0, lock=False)  # optimizer steps done; episodes see it in their context
-        self.queue = ctx.Queue()
-        self.stop_event = ctx.Event()
-        self.stats: dict = {}
-        self.proc = ctx.Process(target=rollout_process_main, daemon=True,
-                                args=(spec, weights, self.counters, self.trainer_step, self.queue, self.stop_event))
-
-    def start(self) -> None:
+class _Worker:
+    def __init__(self, ctx, spec: WorkerSpec, weights: SharedWeights):
+        self.spec = spec
+        self.inbox_r, self.inbox_w = ctx.Pipe(duplex=False)
+        self.out_r, self.out_w = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=worker_main, daemon=True, name=f"sao-rollout-{spec.index}",
+                                args=(spec, weights, self.inbox_r, self.out_w, os.getpid()))
         self.proc.start()
+        self.inbox_r.close()  # the child's ends: ours are closed so EOF reaches the other side
+        self.out_w.close()
 
-    def receive(self, timeout: float) -> list[Trajectory]:
-        """Trajectories that arrived within `timeout` seconds (all waiting ones, at least one if any)."""
-        out = []
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        for conn in (self.inbox_w, self.out_r):
+            conn.close()
+
+
+class LocalBackend:
+    def __init__(self, specs: list[WorkerSpec]):
+        self.specs = specs
+        self.workers = len(specs)
+        self.ctx = torch.multiprocessing.get_context("spawn")
+        self.weights: SharedWeights | None = None
+        self._w: list[_Worker] = []
+        self.restarts = 0
+
+    def start(self, params: list[torch.Tensor], version: int) -> None:
+        self.weights = SharedWeights([tuple(p.shape) for p in params], self.ctx)
+        self.weights.publish(params, version)
+        self._w = [_Worker(self.ctx, spec, self.weights) for spec in self.specs]
+
+    def submit(self, worker: int, items: list[Assignment]) -> None:
         try:
-            block = True
-            while True:
-                kind, payload = self.queue.get(block=block, timeout=timeout if block else None)
-                block = False
-                if kind == "traj":
-                    out.append(payload)
-                elif kind == "stats":
-                    self.stats = payload
-        except queue_mod.Empty:
+            self._w[worker].inbox_w.send(items)
+        except OSError:  # dead: `receive` reports it, and the scheduler issues these again
             pass
-        if not out and not self.proc.is_alive():
-            raise RuntimeError(f"the rollout process died (exit code {self.proc.exitcode})")
+
+    def receive(self, timeout: float) -> list[Record]:
+        out: list[Record] = []
+        by_conn = {w.out_r: w for w in self._w}
+        for conn in wait(list(by_conn), timeout):
+            w = by_conn[conn]
+            try:
+                while conn.poll():
+                    out.append(conn.recv())
+            except (EOFError, OSError):
+                pass  # the process is gone; found below
+        for i, w in enumerate(self._w):
+            if not w.proc.is_alive():
+                out.append(self._restart(i))
         return out
 
+    def _restart(self, i: int) -> WorkerLost:
+        old = self._w[i]
+        old.close()
+        self.restarts += 1
+        self.specs[i] = reseed(self.specs[i])
+        self._w[i] = _Worker(self.ctx, self.specs[i], self.weights)
+        return WorkerLost(i, f"rollout worker {i} exited with code {old.proc.exitcode}; restarted")
+
+    def publish(self, params: list[torch.Tensor], version: int) -> float:
+        return self.weights.publish(params, version)
+
     def stop(self) -> None:
-        self.stop_event.set()
-        deadline = time.time() + 10
-        while self.proc.is_alive() and time.time() < deadline:
-            try:
-                self.queue.get(timeout=0.1)  # drain so the child can flush and exit
-            except queue_mod.Empty:
-                pass
-        if self.proc.is_alive():
-            self.proc.terminate()
-        self.proc.join(timeout=5)
+        """Workers hold nothing worth saving (the trainer re-issues unfinished work on resume): kill them."""
+        for w in self._w:
+            w.close()
+        self._w = []

@@ -23,8 +23,27 @@ def run_dir_path(cfg: Config) -> Path | None:
     return Path(cfg.output.root) / cfg.output.name if cfg.output.name else None
 
 
-def preflight(cfg: Config):
+def check_runtime(cfg: Config) -> None:
+    """Combinations that would hang or silently do something else are refused here."""
+    r = cfg.runtime
+    if r.mode == "async" and r.sync_every > r.max_lag + 1:
+        raise ConfigError(f"runtime.sync_every={r.sync_every} > runtime.max_lag + 1 = {r.max_lag + 1}: pacing "
+                          "would wait for weights that are never published; raise max_lag or lower sync_every")
+    if r.mode == "sync" and (r.rollout_workers > 1 or r.backend != "local"):
+        raise ConfigError("runtime.mode=sync generates in the trainer process: it uses no rollout workers "
+                          "(runtime.rollout_workers must be 1 and runtime.backend local)")
+    if r.backend == "local" and r.ray_address:
+        raise ConfigError("runtime.ray_address is set but runtime.backend=local; set runtime.backend=ray")
+    if r.backend == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("runtime.backend=ray: the ray package is not installed (pip install 'sao[ray]')")
+
+
+def preflight(cfg: Config, resume: bool = False):
     """Validate names, options and paths; return the environment. Raises ConfigError/ValueError."""
+    check_runtime(cfg)
     get_algorithm(cfg.algo.name)
     environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
     if hasattr(type(environment), "config_defaults"):  # settings an environment imposed unseen: now recipes
@@ -36,6 +55,6 @@ def preflight(cfg: Config):
     if cfg.critic.path and not (Path(cfg.critic.path) / "config.json").is_file():
         raise ConfigError(f"critic.path: {cfg.critic.path!r} is not a model folder (no config.json)")
     path = run_dir_path(cfg)
-    if path is not None and path.exists():
+    if not resume and path is not None and path.exists():
         raise ConfigError(f"output.name: run directory {str(path)!r} exists already; choose another name")
     return environment

@@ -1,10 +1,8 @@
 """The trajectory queue and the staleness gate (docs/algorithm.md §6).
 
-Staleness is bounded two ways. *Pacing*: a worker may start trajectory number n (in start order)
-only while n < (batches_consumed + max_lag + 1) * B, counting a batch as consumed once the weights
-that follow it are published, so nothing starts that could not be trained within `max_lag` versions.
-*Drop at dequeue*: a trajectory whose lag (current version minus its
-oldest token version) exceeds `max_lag` anyway is dropped and counted, never trained on.
+Pacing (sao/runtime/scheduler.py) bounds how much work is in flight. The *drop at dequeue* here
+is what bounds staleness: a trajectory whose lag (current version minus its oldest token version)
+exceeds `max_lag` is dropped and counted, never trained on.
 """
 
 from __future__ import annotations
@@ -13,42 +11,6 @@ import time
 from collections import deque
 
 from sao.types import TRAINABLE, Trajectory
-
-
-class Pacer:
-    """Admission counter shared by the worker (admit) and the trainer (consumed).
-
-    Each counter has one writer (the worker writes `started`; the trainer writes `consumed` and
-    `refunded`), so shared `multiprocessing.Value`s need no lock. Episodes dropped at dequeue are
-    refunded: their replacements may start, or the worker would stall short of a full batch.
-    """
-
-    def __init__(self, batch_size: int, max_lag: int, started=None, consumed=None, refunded=None):
-        self.batch_size, self.max_lag = batch_size, max_lag
-        self._started = started if started is not None else _Counter()
-        self._consumed = consumed if consumed is not None else _Counter()
-        self._refunded = refunded if refunded is not None else _Counter()
-
-    def admit(self) -> bool:
-        in_play = self._started.value - self._refunded.value
-        if in_play >= (self._consumed.value + self.max_lag + 1) * self.batch_size:
-            return False
-        self._started.value += 1
-        return True
-
-    def mark_consumed(self, batches: int = 1) -> None:
-        """Called when the weights that follow these batches are published (or, during critic
-        warm-up, when the batch is taken): a trajectory admitted afterwards starts from a version
-        no older than the trainer's, so it is trained within `max_lag` versions."""
-        self._consumed.value += batches
-
-    def refund(self, n: int) -> None:
-        self._refunded.value += n
-
-
-class _Counter:
-    def __init__(self) -> None:
-        self.value = 0
 
 
 class TrajectoryQueue:
@@ -64,6 +26,9 @@ class TrajectoryQueue:
 
     def put(self, traj: Trajectory) -> None:
         self._items.append(traj)
+
+    def items(self) -> list[Trajectory]:
+        return list(self._items)
 
     def get_batch(self, batch_size: int, current_version: int, max_lag: int
                   ) -> tuple[list[Trajectory], list[Trajectory]]:
@@ -82,6 +47,13 @@ class TrajectoryQueue:
         for traj in reversed(batch if len(batch) < batch_size else []):
             self._items.appendleft(traj)  # incomplete batch: put back, caller waits for more
         return (batch if len(batch) == batch_size else []), dropped
+
+
+def drop_reason(traj: Trajectory) -> str:
+    """Why `get_batch` dropped it (the audit's vocabulary)."""
+    if traj.status not in TRAINABLE:
+        return traj.status.value
+    return "no_action_tokens" if traj.num_action_tokens == 0 else "stale"
 
 
 def queue_age_s(batch: list[Trajectory], now: float | None = None) -> float:

@@ -1,19 +1,28 @@
 """`sao train`: the whole run, top to bottom.
 
-    step 1  run directory, environment, starting policy (cached SFT warm start), critic
+    step 1  run directory, environment, starting policy (cached SFT warm start), critic;
+            or, with --resume, everything a checkpoint holds (sao/runtime/checkpoint.py)
+            the rollout workers start now (runtime.backend): they generate while steps 2-3 run
     step 2  parity gate: engine and trainer log-probs agree on the same tokens and weights
     step 3  held-out evaluation of the starting policy
-    step 4  the loop: async (rollout process + trainer) or sync (generate a batch, then train)
+    step 4  the loop (sao/runtime/loop.py): async over the backend, or sync (generate, then train)
     step 5  final evaluation, checkpoints, summary
+
+This module knows no processes: the backend (sao/runtime/backend.py) owns them. Ctrl-C and
+SIGTERM write a checkpoint, then exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -26,14 +35,17 @@ from sao.models.critic import build_critic, load_critic
 from sao.models.tiny import load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.rollout.agent_loop import EpisodeLimits, run_episode
+from sao.runtime import checkpoint
+from sao.runtime.backend import flatten, make_backend
 from sao.runtime.evaluate import evaluate
-from sao.runtime.local import RolloutProcess, WorkerSpec, quiet_transformers
+from sao.runtime.loop import Interrupted, rollout_metrics, run_async, run_sync
 from sao.runtime.model_setup import prepare_base_model
 from sao.runtime.preflight import preflight
 from sao.runtime.progress import RunProgress
-from sao.runtime.queue import Pacer, TrajectoryQueue, queue_age_s
+from sao.runtime.queue import TrajectoryQueue
 from sao.runtime.run_dir import RunDir
-from sao.runtime.weight_sync import SharedWeights
+from sao.runtime.scheduler import Audit, Scheduler, TaskStream
+from sao.runtime.worker_host import quiet_transformers
 from sao.trainer.batch import collate
 from sao.trainer.learner import Learner
 from sao.types import TRAINABLE, SamplingParams, Trajectory
@@ -108,48 +120,50 @@ def parity_check(trainer_model, engine_model, codec, environment, limits, tol: f
 
 
 def engine_copy(trainer: Trainer):
-    """A fresh engine-side model loaded from disk, then given the trainer's weights via shared memory."""
+    """A fresh engine-side model loaded from disk, then given the trainer's weights as the one flat
+    buffer every backend publishes."""
     model = load_model(trainer.model_path)
-    weights = SharedWeights.for_model(trainer.actor)
-    weights.publish(list(trainer.actor.parameters()), 0)
-    weights.load_into([p.data for p in model.parameters()])
+    flat, offset = flatten(list(trainer.actor.parameters())), 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(flat[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
     return model
-
-
-def rollout_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
-    lags = [t.lag(version) for t in batch]
-    m = {
-        "async/lag_mean": sum(lags) / len(lags),
-        "async/lag_max": float(max(lags)),
-        "async/queue_age_s": queue_age_s(batch),
-        "rollout/action_tokens_mean": sum(t.num_action_tokens for t in batch) / len(batch),
-        "rollout/turns_mean": sum(t.turns for t in batch) / len(batch),
-        "rollout/truncated_frac": sum(t.status.value == "truncated" for t in batch) / len(batch),
-        "async/versions_per_traj": sum(len({v for v in t.token_versions if v >= 0}) for t in batch) / len(batch),
-    }
-    for k in sorted({k for t in batch for k in t.metrics}):
-        m[f"env/{k}"] = sum(t.metrics.get(k, 0.0) for t in batch) / len(batch)
-    return m
 
 
 class Trainer:
     """Holds what a run needs and the per-step bookkeeping shared by async and sync loops."""
 
-    def __init__(self, cfg: Config, progress: RunProgress):
+    def __init__(self, cfg: Config, progress: RunProgress, resume: Path | None = None):
         self.cfg, self.progress = cfg, progress
         self.algo = get_algorithm(cfg.algo.name)
-        self.environment = preflight(cfg)  # every check that can fail on bad input, before anything is written
-        self.run = RunDir.create(cfg)
+        self.environment = preflight(cfg, resume=resume is not None)  # bad input fails before anything is written
         self.limits = limits_of(cfg)
-        self.model_path, _ = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps))
+        ckpt = checkpoint.latest(resume) if resume is not None else None
+        if resume is not None:
+            self.run = RunDir(resume)
+            self.model_path = ckpt / "actor"
+        else:
+            self.run = RunDir.create(cfg)
+            self.model_path, _ = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps))
         self.codec = ChatCodec(load_tokenizer(self.model_path))
         self.actor = load_model(self.model_path)
         self.critic = None
         if self.algo.uses_critic:
-            self.critic = load_critic(cfg.critic.path) if cfg.critic.path else build_critic(self.model_path)
+            critic_path = ckpt / "critic" if ckpt is not None else cfg.critic.path
+            self.critic = load_critic(critic_path) if critic_path else build_critic(self.model_path)
         self.learner = Learner(self.actor, self.critic, self.algo, cfg.algo, cfg.critic, cfg.train)
         self.eval_tasks = self.environment.eval_tasks(cfg.eval.num_tasks)
         self.totals = {"dropped_stale": 0, "failed": 0, "wait_s": 0.0}
+        self.step, self.unpublished, self.queue = 0, 0, TrajectoryQueue()
+        state = checkpoint.load_state(ckpt) if ckpt is not None else None
+        if state is not None:
+            checkpoint.restore(self, state)  # truncates metrics/audit before they are appended to
+        self.sched_state = state["scheduler"] if state else {}
+        self.tasks = TaskStream(self.environment.train_tasks(), self.sched_state.get("cursor", 0))
+        self.audit = Audit(self.run.path / "audit.jsonl") if cfg.runtime.mode == "async" else None
+        self.scheduler: Scheduler | None = None
+        self.stop_requested = ""  # the signal's name once Ctrl-C or SIGTERM arrived
 
     def evaluate(self, step: int) -> float:
         torch.set_num_threads(max(self.cfg.runtime.trainer_threads, self.cfg.runtime.rollout_threads))
@@ -166,6 +180,7 @@ class Trainer:
 
     def after_step(self, step: int, batch: list[Trajectory], version: int, metrics: dict, extra: dict) -> None:
         cfg = self.cfg
+        self.step = step
         metrics.update(rollout_metrics(batch, version))
         metrics.update(extra)
         metrics["async/dropped_stale_total"] = self.totals["dropped_stale"]
@@ -174,140 +189,95 @@ class Trainer:
         self.run.log(step, metrics)
         if step % cfg.output.trajectories_every == 0:
             self.run.write_trajectories(step, batch[: cfg.output.trajectories_per_dump], self.codec.decode)
-        if cfg.output.save_every and step % cfg.output.save_every == 0:
-            self.save(f"step_{step:06d}", step)
         self.progress.step(metrics)
-
-    def save(self, tag: str, step: int):
-        return self.run.save_checkpoint(tag, self.actor, self.critic, self.codec.tokenizer,
-                                        {"step": step, "actor_version": self.learner.actor_version,
-                                         "critic_version": self.learner.critic_version})
-
-
-def start_rollout(trainer: Trainer) -> tuple[RolloutProcess, SharedWeights]:
-    """Spawn the rollout process with version-0 weights; it starts generating as soon as it is up."""
-    cfg = trainer.cfg
-    ctx = torch.multiprocessing.get_context("spawn")
-    weights = SharedWeights.for_model(trainer.actor, ctx)
-    weights.publish(list(trainer.actor.parameters()), 0)
-    spec = WorkerSpec(str(trainer.model_path), cfg.env.name, cfg.env.options, cfg.train.seed, trainer.limits,
-                      cfg.rollout.concurrency, cfg.runtime.rollout_threads, cfg.train.batch_size, cfg.runtime.max_lag)
-    worker = RolloutProcess(spec, weights, ctx)
-    worker.start()
-    return worker, weights
-
-
-def _async_perf(trainer: Trainer, worker: RolloutProcess, wait_s: float, wall: float, sync_ms: float) -> dict:
-    ws = worker.stats  # the rollout process reports its engine counters about once a second
-    return {
-        "async/trainer_wait_s": wait_s,
-        "async/trainer_idle_frac": trainer.totals["wait_s"] / wall,
-        "async/rollout_idle_frac": 1.0 - ws.get("busy_s", 0.0) / max(ws.get("wall_s", 1.0), 1e-9),
-        "async/engine_version": float(ws.get("version", 0)),
-        "perf/tokens_per_s": ws.get("tokens", 0) / max(ws.get("wall_s", 1.0), 1e-9),
-        "perf/engine_tokens_per_s": ws.get("tokens", 0) / max(ws.get("busy_s", 1.0), 1e-9),
-        "perf/weight_sync_ms": sync_ms,
-        "perf/wall_s": wall,
-    }
-
-
-def run_async(trainer: Trainer, worker: RolloutProcess, weights: SharedWeights) -> None:
-    """Take the next B finished trajectories, train, publish every `sync_every` actor steps."""
-    cfg, learner = trainer.cfg, trainer.learner
-    pacer = Pacer(cfg.train.batch_size, cfg.runtime.max_lag, *worker.counters)
-    queue = TrajectoryQueue()
-    t_start, sync_ms, unpublished = time.perf_counter(), 0.0, 0
-    for step in range(1, cfg.train.steps + 1):
-        t_wait = time.perf_counter()
-        version = learner.actor_version  # the policy this batch updates; lag is measured against it
-        while True:
-            batch, dropped = queue.get_batch(cfg.train.batch_size, version, cfg.runtime.max_lag)
-            pacer.refund(len(dropped))
-            if batch:
-                break
-            for traj in worker.receive(timeout=1.0):
-                queue.put(traj)
-        wait_s = time.perf_counter() - t_wait
-        trainer.totals.update(wait_s=trainer.totals["wait_s"] + wait_s, dropped_stale=queue.dropped_stale,
-                              failed=sum(queue.failed.values()))
-        metrics = learner.step(collate(batch, trainer.codec.tokenizer.pad_token_id))
-        worker.trainer_step.value = step
-        unpublished += 1
-        if learner.actor_version == version:  # critic warm-up: the policy did not change
-            pacer.mark_consumed(unpublished)
-            unpublished = 0
-        elif learner.actor_version % cfg.runtime.sync_every == 0:
-            sync_ms = weights.publish(list(trainer.actor.parameters()), learner.actor_version)
-            pacer.mark_consumed(unpublished)
-            unpublished = 0
-        perf = _async_perf(trainer, worker, wait_s, time.perf_counter() - t_start, sync_ms)
-        trainer.after_step(step, batch, version, metrics, perf)
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
-            trainer.evaluate(step)
+            self.evaluate(step)
+        if cfg.output.save_every and step % cfg.output.save_every == 0:
+            self.save(f"step_{step:06d}")
+
+    def save(self, tag: str) -> Path:
+        return checkpoint.save(self, tag, self.step)
 
 
-def run_sync(trainer: Trainer) -> None:
-    """Generate B episodes with the current weights, then train on them; no overlap. Each phase gets
-    the thread count that suits it (decoding is overhead-bound: 1 thread; training uses both cores)."""
-    cfg, learner = trainer.cfg, trainer.learner
-    engine = TorchEngine(trainer.actor, trainer.codec.tokenizer.pad_token_id, max_batch=cfg.rollout.concurrency,
-                         seed=cfg.train.seed + 1)
-    tasks = trainer.environment.train_tasks()
-    t_start, gen_total, train_total = time.perf_counter(), 0.0, 0.0
-    for step in range(1, cfg.train.steps + 1):
-        torch.set_num_threads(cfg.runtime.rollout_threads)
-        version = engine.version = learner.actor_version
-        t0 = time.perf_counter()
-        batch, failed = usable_batch(engine, trainer.environment, trainer.codec, tasks, trainer.limits,
-                                     cfg.train.batch_size, trainer_step=step - 1)
-        trainer.totals["failed"] += failed
-        gen_s = time.perf_counter() - t0
-        torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)  # nothing else runs now
-        trainer.actor.train()
-        t1 = time.perf_counter()
-        metrics = learner.step(collate(batch, trainer.codec.tokenizer.pad_token_id))
-        train_s = time.perf_counter() - t1
-        gen_total, train_total = gen_total + gen_s, train_total + train_s
-        extra = {"perf/gen_s": gen_s, "perf/train_s": train_s, "perf/gen_total_s": gen_total,
-                 "perf/train_total_s": train_total, "perf/wall_s": time.perf_counter() - t_start,
-                 "perf/tokens_per_s": sum(t.num_action_tokens for t in batch) / gen_s,
-                 "perf/weight_sync_ms": 0.0, "async/trainer_idle_frac": gen_total / (gen_total + train_total),
-                 "async/rollout_idle_frac": train_total / (gen_total + train_total)}
-        trainer.after_step(step, batch, version, metrics, extra)
-        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
-            trainer.evaluate(step)
+class _Signals:
+    """Ctrl-C and SIGTERM ask the loop to stop at the next step boundary (sao/runtime/loop.py
+    `check_stop`), so the checkpoint written then is consistent; a second one interrupts at once."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def __enter__(self):
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum, frame):
+        if self.trainer.stop_requested:
+            raise KeyboardInterrupt
+        self.trainer.stop_requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
-def train(cfg: Config, progress: RunProgress) -> RunResult:
+def _before_accuracy(trainer: Trainer) -> float:
+    """On resume, the step-0 evaluation is already in metrics.jsonl."""
+    for line in open(trainer.run.path / "metrics.jsonl"):
+        row = json.loads(line)
+        if row["step"] == 0 and "eval/accuracy" in row:
+            return row["eval/accuracy"]
+    return float("nan")
+
+
+def train(cfg: Config, progress: RunProgress, resume: str | Path | None = None) -> RunResult:
     quiet_transformers()
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)  # SFT has both cores
     t_start = time.perf_counter()
-    trainer = Trainer(cfg, progress)  # step 1
+    trainer = Trainer(cfg, progress, Path(resume) if resume else None)  # step 1
     torch.set_num_threads(cfg.runtime.trainer_threads)
     progress.log(f"run directory: {trainer.run.path}")
-    diff = parity_check(trainer.actor, engine_copy(trainer), trainer.codec, trainer.environment,  # step 2
-                        trainer.limits, cfg.runtime.parity_tol, seed=cfg.train.seed)
-    trainer.run.log(0, {"parity/max_abs_diff": diff})
-    # the rollout process pays its start-up (imports, model load: seconds) while step 3 runs
-    rollout = start_rollout(trainer) if cfg.runtime.mode == "async" else None
+    backend = None
+    signals = _Signals(trainer).__enter__()
     try:
-        before = trainer.evaluate(0)  # step 3
+        if cfg.runtime.mode == "async":  # the workers pay their start-up while steps 2-3 run
+            backend = make_backend(cfg, str(trainer.model_path), trainer.limits)
+            backend.start(list(trainer.actor.parameters()), trainer.learner.actor_version)
+            trainer.scheduler = Scheduler(backend, trainer.tasks, trainer.audit, cfg.train.batch_size,
+                                          cfg.runtime.max_lag, trainer.sched_state)
+            trainer.scheduler.fill(trainer.step)
+        diff = parity_check(trainer.actor, engine_copy(trainer), trainer.codec, trainer.environment,  # step 2
+                            trainer.limits, cfg.runtime.parity_tol, seed=cfg.train.seed)
+        trainer.run.log(trainer.step, {"parity/max_abs_diff": diff})
+        before = trainer.evaluate(0) if trainer.step == 0 else _before_accuracy(trainer)  # step 3
         progress.start_training(cfg.train.steps)
-        if rollout is not None:  # step 4
-            run_async(trainer, *rollout)
-        else:
-            run_sync(trainer)
-    finally:
-        if rollout is not None:
-            rollout[0].stop()
+        run_async(trainer, backend) if backend is not None else run_sync(trainer)  # step 4
+    except Interrupted:
         progress.stop_training()
-    after = trainer.evaluate(cfg.train.steps)  # step 5
-    ckpt = trainer.save("final", cfg.train.steps)
+        _stop(backend, trainer)
+        ckpt = trainer.save(f"step_{trainer.step:06d}")
+        print(f"sao: {trainer.stop_requested}: checkpoint {ckpt} written; continue with "
+              f"`sao train --resume {trainer.run.path}`", file=sys.stderr)
+        raise KeyboardInterrupt from None
+    except BaseException:
+        _stop(backend, trainer)
+        raise
+    finally:
+        signals.__exit__()
+        progress.stop_training()
+    _stop(backend, trainer)
+    after = trainer.evaluate(trainer.step)  # step 5
+    ckpt = trainer.save("final")
     wall = time.perf_counter() - t_start
-    result = RunResult(str(trainer.run.path), before, after, cfg.train.steps, wall,
+    result = RunResult(str(trainer.run.path), before, after, trainer.step, wall,
                        {"checkpoint": str(ckpt), "parity_max_abs_diff": diff, **trainer.totals})
     trainer.run.write_json("summary.json", result.__dict__)
     trainer.run.close()
     return result
+
+
+def _stop(backend, trainer: Trainer) -> None:
+    """Stop the workers and record what was in flight (resume runs it again) or queued."""
+    if backend is not None:
+        backend.stop()

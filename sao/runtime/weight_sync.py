@@ -1,7 +1,10 @@
-"""Weights through shared memory: one flat float buffer plus a version counter.
+"""Weights through shared memory: one flat float buffer plus a version counter, lock-free.
 
-The trainer `publish`es (in-place copy + version bump under a lock); engines `poll` the version
-between decode steps and `load_into` their parameters. ~1 ms for a 1M-parameter model.
+The trainer `publish`es (the only writer); engines `poll` the version between decode steps and
+`load_into` their parameters. A sequence counter (odd while a copy is in progress) replaces a lock:
+a reader that saw a write in progress or a changed counter copies again. Without a lock, a worker
+killed halfway through reading cannot leave the trainer (or the other workers) waiting forever.
+~1 ms for a 1M-parameter model.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ class SharedWeights:
         self.numel = sum(int(torch.Size(s).numel()) for s in shapes)
         self.buffer = torch.zeros(self.numel, dtype=torch.float32).share_memory_()
         self._version = ctx.Value("q", -1, lock=False)
-        self._lock = ctx.Lock()
+        self._seq = ctx.Value("q", 0, lock=False)
         self.last_publish_ms = 0.0
 
     @classmethod
@@ -33,13 +36,15 @@ class SharedWeights:
     def publish(self, params: list[torch.Tensor], version: int) -> float:
         """Copy `params` into shared memory and stamp `version`; returns milliseconds taken."""
         t0 = time.perf_counter()
-        with self._lock, torch.no_grad():
+        self._seq.value += 1  # odd: a write is in progress
+        with torch.no_grad():
             offset = 0
             for p in params:
                 n = p.numel()
                 self.buffer[offset: offset + n].copy_(p.detach().reshape(-1).float())
                 offset += n
-            self._version.value = version
+        self._version.value = version
+        self._seq.value += 1
         self.last_publish_ms = (time.perf_counter() - t0) * 1000
         return self.last_publish_ms
 
@@ -48,10 +53,17 @@ class SharedWeights:
         return v if v > current_version else None
 
     def load_into(self, params: list[torch.Tensor]) -> int:
-        with self._lock, torch.no_grad():
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.copy_(self.buffer[offset: offset + n].view_as(p))
-                offset += n
-            return self.version
+        with torch.no_grad():
+            while True:
+                seq = self._seq.value
+                if seq % 2:
+                    time.sleep(0.0005)
+                    continue
+                version = self.version
+                offset = 0
+                for p in params:
+                    n = p.numel()
+                    p.copy_(self.buffer[offset: offset + n].view_as(p))
+                    offset += n
+                if self._seq.value == seq:
+                    return version

@@ -1,0 +1,150 @@
+"""Who runs what, on the trainer side of any backend: the task stream, pacing, re-issue, the audit.
+
+The trainer issues every episode as an `Assignment` with a run-unique id. Pacing (spec §6) is one
+global counter: at most `(batches_consumed + max_lag + 1) * B` episodes are in play (issued and not
+yet dropped), where a batch counts as consumed once the weights that follow it are published.
+This bounds the work in flight, not the lag of each episode: episodes finish out of order, so a
+long one can still end up more than `max_lag` versions old; the drop at dequeue
+(sao/runtime/queue.py) enforces the bound on what is trained, and counts what it drops.
+
+Every id's life is written to RUN/audit.jsonl: issued (again after its worker died), finished,
+then trained or dropped (with the reason), so a run can be checked for lost or doubled work.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+from sao.types import Assignment, Finished, Record, Status, Task, Trajectory, WorkerLost, WorkerStats
+
+ENGINE_RERUNS = 3  # an episode the engine failed is run again this many times before it counts as failed
+
+
+class TaskStream:
+    """The environment's training tasks with a cursor (tasks drawn so far), so a resume continues."""
+
+    def __init__(self, tasks: Iterator[Task], cursor: int = 0):
+        self._it, self.cursor = tasks, 0
+        for _ in range(cursor):
+            self.next()
+
+    def next(self) -> Task:
+        self.cursor += 1
+        return next(self._it)
+
+    __next__ = next
+
+    def __iter__(self) -> TaskStream:
+        return self
+
+
+class Audit:
+    def __init__(self, path: Path):
+        self.path = path
+        self._f = open(path, "a", buffering=1)  # line-buffered: a killed run keeps every whole line
+
+    def write(self, event: str, trajs_or_items, step: int, **extra) -> None:
+        for x in trajs_or_items:
+            task = x.task.id if isinstance(x, Assignment) else x.task_id
+            self._f.write(json.dumps({"event": event, "id": x.id, "task": task, "step": step, **extra}) + "\n")
+
+    def lines(self) -> int:
+        self._f.flush()
+        return sum(1 for _ in open(self.path))
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class Scheduler:
+    def __init__(self, backend, tasks: TaskStream, audit: Audit, batch_size: int, max_lag: int,
+                 state: dict | None = None):
+        self.backend, self.tasks, self.audit = backend, tasks, audit
+        self.batch_size, self.max_lag = batch_size, max_lag
+        state = state or {}
+        self.issued = state.get("issued", 0)  # fresh assignments ever issued (re-issues not counted)
+        self.consumed = state.get("consumed", 0)  # batches whose following weights are published
+        self.refunded = state.get("refunded", 0)  # assignments dropped: their replacements may start
+        self.retry: deque[Assignment] = deque(Assignment(a["id"], Task(**a["task"]), a["trainer_step"])
+                                              for a in state.get("pending", []))
+        self.outstanding: dict[str, tuple[int, Assignment]] = {}  # id -> (worker, assignment)
+        self.stats: dict[int, WorkerStats] = {}
+        self.lost = 0
+        self.engine_reruns: dict[str, int] = {}
+
+    def room(self) -> int:
+        return (self.consumed + self.max_lag + 1) * self.batch_size - (self.issued - self.refunded)
+
+    def fill(self, step: int) -> None:
+        """Issue re-runs first, then fresh tasks while pacing allows; least-loaded worker first."""
+        per_worker: dict[int, list[Assignment]] = {}
+        load = [0] * self.backend.workers
+        for w, _ in self.outstanding.values():
+            load[w] += 1
+        while self.retry or self.room() > 0:
+            if self.retry:
+                item = self.retry.popleft()
+            else:
+                item = Assignment(f"e{self.issued:07d}", self.tasks.next(), step)
+                self.issued += 1
+            w = load.index(min(load))
+            load[w] += 1
+            self.outstanding[item.id] = (w, item)
+            per_worker.setdefault(w, []).append(item)
+        for w, items in per_worker.items():
+            self.audit.write("issued", items, step, worker=w)
+            self.backend.submit(w, items)
+
+    def handle(self, records: list[Record], queue, step: int) -> int:
+        """Apply received records; finished trajectories go into `queue`. Returns how many arrived."""
+        arrived = 0
+        for rec in records:
+            if isinstance(rec, Finished):
+                traj = rec.trajectory
+                _, item = self.outstanding.pop(traj.id, (None, None))
+                if item is None:
+                    continue  # a re-run already delivered it (a dying worker's last message): ignore
+                if traj.status == Status.ENGINE_ERROR and self.engine_reruns.get(traj.id, 0) < ENGINE_RERUNS:
+                    self.engine_reruns[traj.id] = self.engine_reruns.get(traj.id, 0) + 1  # not the task's fault
+                    self.audit.write("engine_error", [traj], step, worker=rec.worker, reason=traj.status_reason)
+                    self.retry.append(item)
+                    continue
+                self.audit.write("finished", [traj], step, status=traj.status.value, worker=rec.worker)
+                queue.put(traj)
+                arrived += 1
+            elif isinstance(rec, WorkerStats):
+                self.stats[rec.worker] = rec
+            elif isinstance(rec, WorkerLost):
+                self.lost += 1
+                lost = sorted((a for w, a in self.outstanding.values() if w == rec.worker), key=lambda a: a.id)
+                for a in lost:
+                    del self.outstanding[a.id]
+                self.audit.write("lost", lost, step, worker=rec.worker, reason=rec.reason)
+                self.retry.extend(lost)
+        return arrived
+
+    def trained(self, batch: list[Trajectory], step: int) -> None:
+        self.audit.write("trained", batch, step)
+
+    def dropped(self, trajs: list[Trajectory], step: int, reason_of) -> None:
+        self.refunded += len(trajs)
+        for t in trajs:
+            self.audit.write("dropped", [t], step, reason=reason_of(t))
+
+    def state(self, queued: list[Trajectory]) -> dict:
+        """What a resume needs: counters, and every issued-but-untrained episode (unfinished ones are
+        run again; finished ones come back into the queue, see sao/runtime/checkpoint.py)."""
+        pending = sorted((a for _, a in self.outstanding.values()), key=lambda a: a.id)
+        pending = list(self.retry) + pending
+        return {"issued": self.issued, "consumed": self.consumed, "refunded": self.refunded,
+                "cursor": self.tasks.cursor,
+                "pending": [{"id": a.id, "task": a.task.__dict__, "trainer_step": a.trainer_step} for a in pending]}
+
+    def worker_totals(self) -> dict[str, float]:
+        s = list(self.stats.values())
+        return {"tokens": sum(x.tokens for x in s), "busy_s": sum(x.busy_s for x in s),
+                "wall_s": sum(x.wall_s for x in s), "version": min((x.version for x in s), default=0),
+                "hung_steps": sum(x.hung_steps for x in s), "engine_errors": sum(x.engine_errors for x in s)}
