@@ -83,13 +83,23 @@ class AlgoConfig(Section):
     ppo_eps_high: float = Field(0.28, gt=0, description="PPO clip-higher, upper side (grpo, vapo)")
     gamma: float = Field(1.0, ge=0, le=1, description="discount")
     lam_alpha: float = Field(1.5, gt=0, description="length-adaptive lambda_policy = 1 - 1/(alpha*l)")
-    whiten_advantages: bool = Field(True, description="batch-whiten actor advantages over action tokens")
+    whiten_advantages: bool = Field(True, description=(
+        "batch-whiten critic-based (GAE) actor advantages over action tokens; group and running-mean "
+        "advantages are always used as computed (whitening would turn a running mean into a batch mean)"))
     entropy_coef: float = Field(0.0, ge=0, description=(
         "entropy bonus on action tokens; the paper uses none (0). Opt-in for settings where a tiny policy "
         "saturates and can no longer explore, e.g. the style_shift online benchmark"))
-    group_size: int = Field(8, ge=2, description="rollouts per prompt for group baselines (grpo)")
+    group_size: int = Field(8, ge=2, description=(
+        "rollouts per prompt for group algorithms (grpo, grpo_dis); train.batch_size must be a multiple"))
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch for PPO-loss algorithms (grpo, vapo)")
+    ppo_minibatches: int = Field(4, ge=1, description=(
+        "actor updates per pass for PPO-loss algorithms; pi_old is computed once before them, so from the "
+        "second update on the ratio moves away from 1 and the clip acts; must divide train.batch_size"))
+    step_value: Literal["last", "mean"] = Field("last", description=(
+        "sao_step_gae: a turn's value is that of its last action token or the mean over the turn"))
     running_mean_window: int = Field(8, ge=1, description="rewards averaged by the running-mean baseline")
-    running_mean_per_prompt: bool = Field(True, description="running mean per prompt (else one global window)")
+    running_mean_per_prompt: bool = Field(True, description=(
+        "running mean per prompt, keyed by the prompt's tokens (else one global window of all rewards)"))
 
 
 class CriticConfig(Section):

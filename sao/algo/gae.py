@@ -1,4 +1,5 @@
-"""Skip-observation token-level GAE with decoupled lambda (docs/algorithm.md §4, paper Eqs. 4-5).
+"""Skip-observation token-level GAE with decoupled lambda (docs/algorithm.md §4, paper Eqs. 4-5), and
+the step-level variant of the ablation (paper App. A.1).
 
 GAE runs over action tokens only, in order. Observation (and prompt, padding) positions are
 skipped: the last token of action i links straight to the first token of action i+1, so an
@@ -48,24 +49,62 @@ def skip_observation_gae(
     return advantages, returns
 
 
+def turn_spans(action_mask_row: torch.Tensor) -> list[list[int]]:
+    """Positions of each turn: a turn is a maximal run of consecutive action tokens."""
+    runs: list[list[int]] = []
+    for p in action_mask_row.nonzero().flatten().tolist():
+        if runs and p == runs[-1][-1] + 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+def _turn_value(values_row: torch.Tensor, run: list[int], mode: str) -> torch.Tensor:
+    return values_row[run[-1]] if mode == "last" else values_row[run].mean()
+
+
 def step_level_values(values: torch.Tensor, action_mask: torch.Tensor, mode: str = "last") -> torch.Tensor:
     """Ablation (paper App. A.1): one value per turn, broadcast over that turn's action tokens.
 
-    A turn is a maximal run of consecutive action tokens. `mode` is "last" (value of the turn's
-    last token) or "mean" (mean over the turn).
+    `mode` is "last" (value of the turn's last token) or "mean" (mean over the turn).
     """
     if mode not in ("last", "mean"):
         raise ValueError(f"step-level value mode must be 'last' or 'mean', got {mode!r}")
     out = torch.zeros_like(values)
     for b in range(values.shape[0]):
-        positions = action_mask[b].nonzero().flatten().tolist()
-        runs: list[list[int]] = []
-        for p in positions:
-            if runs and p == runs[-1][-1] + 1:
-                runs[-1].append(p)
-            else:
-                runs.append([p])
-        for run in runs:
-            v = values[b, run[-1]] if mode == "last" else values[b, run].mean()
-            out[b, run] = v
+        for run in turn_spans(action_mask[b]):
+            out[b, run] = _turn_value(values[b], run, mode)
     return out
+
+
+def step_level_gae(
+    rewards: torch.Tensor,  # (B, T) reward on the last action token, 0 elsewhere
+    values: torch.Tensor,  # (B, T) V at action positions (per token or already per turn)
+    action_mask: torch.Tensor,  # (B, T)
+    gamma: float,
+    alpha: float,
+    mode: str = "last",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step-level GAE (paper App. A.1): one advantage per turn, broadcast to that turn's action tokens.
+
+    Per trajectory with turns i = 0..n-1, V_i = the turn's value (`mode`), r_i = reward inside turn i,
+    lambda = clip(1 - 1/(alpha * n), 0, 1) from the number of turns n (not tokens):
+        for i in reversed(range(n)):
+            delta_i = r_i + gamma * V_{i+1} - V_i        (V_n = 0: terminal)
+            A_i     = delta_i + gamma * lambda * A_{i+1}
+    Returns (advantages (B, T), lambdas (B,)).
+    """
+    advantages = torch.zeros_like(values)
+    lambdas = torch.zeros(values.shape[0], dtype=values.dtype)
+    for b in range(values.shape[0]):
+        turns = turn_spans(action_mask[b])
+        lam = float(length_adaptive_lambda(torch.tensor(float(len(turns))), alpha))
+        lambdas[b] = lam
+        next_value, next_adv = 0.0, 0.0
+        for run in reversed(turns):
+            v = float(_turn_value(values[b], run, mode))
+            adv = float(rewards[b, run].sum()) + gamma * next_value - v + gamma * lam * next_adv
+            advantages[b, run] = adv
+            next_value, next_adv = v, adv
+    return advantages, lambdas

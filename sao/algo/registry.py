@@ -1,7 +1,8 @@
 """Algorithms as thin registry entries over `sao/algo` (docs/algorithm.md §7, docs/architecture.md §7).
 
-Each entry says how advantages are made and which policy loss is used; the learner reads these
-fields, so there is no `if name == ...` chain anywhere else.
+Each entry says how advantages are made, which policy loss is used and how many rollouts a prompt
+gets; the learner and the runtime read these fields, so there is no `if name == ...` chain anywhere
+else. Each docstring (`doc`) says how the entry differs from the paper it names.
 """
 
 from __future__ import annotations
@@ -13,16 +14,20 @@ from dataclasses import dataclass
 class Algorithm:
     name: str
     advantage: str  # "gae" (critic), "group" (GRPO), "running_mean"
-    policy_loss: str  # "dis" (against the rollout policy) or "ppo" (against pi_old)
+    policy_loss: str  # "dis" (against the rollout policy) or "ppo" (against pi_old, recomputed by the trainer)
     critic_updates: int | None = None  # override critic.updates_per_step (None: use config)
     freeze_attention: bool | None = None  # override critic.freeze_attention
-    step_values: str | None = None  # "last"/"mean": step-level GAE ablation
-    group_size: int = 1  # rollouts per prompt (>1 only for group baselines)
+    step_level: bool = False  # step-level GAE ablation (App. A.1): one value and one advantage per turn
     doc: str = ""
 
     @property
     def uses_critic(self) -> bool:
         return self.advantage == "gae"
+
+    @property
+    def grouped(self) -> bool:
+        """G rollouts per prompt (algo.group_size), trained together once all G have finished."""
+        return self.advantage == "group"
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -39,12 +44,31 @@ def get_algorithm(name: str) -> Algorithm:
     return ALGORITHMS[name]
 
 
-register_algorithm(Algorithm("sao", "gae", "dis", doc="SAO: one rollout, critic GAE (K=2, frozen attention), DIS"))
-register_algorithm(Algorithm("sao_k1", "gae", "dis", critic_updates=1, doc="ablation: one critic step per actor step"))
-register_algorithm(Algorithm("sao_no_freeze", "gae", "dis", freeze_attention=False, doc="ablation: critic attention trains"))
-register_algorithm(Algorithm("sao_step_gae", "gae", "dis", step_values="last", doc="ablation: step-level GAE (App. A.1)"))
-register_algorithm(Algorithm("vapo", "gae", "ppo", doc="VAPO-style: critic GAE, PPO clip vs pi_old, no DIS"))
-register_algorithm(Algorithm(
-    "running_mean", "running_mean", "dis",
-    doc="one rollout; advantage = reward - mean of the last N rewards (per prompt or global); DIS",
-))
+register_algorithm(Algorithm("sao", "gae", "dis", doc=(
+    "SAO (paper §3): one rollout per prompt, critic with token-level skip-observation GAE, K=2 critic "
+    "steps, frozen critic attention, DIS against the rollout policy; whitening is the project's default")))
+register_algorithm(Algorithm("sao_k1", "gae", "dis", critic_updates=1, doc=(
+    "ablation (paper Table 2): SAO with one critic step per actor step instead of K=2")))
+register_algorithm(Algorithm("sao_no_freeze", "gae", "dis", freeze_attention=False, doc=(
+    "ablation (paper Table 2): SAO whose critic trains its attention projections too")))
+register_algorithm(Algorithm("sao_step_gae", "gae", "dis", step_level=True, doc=(
+    "ablation (paper App. A.1): one value per turn (algo.step_value: its last action token or the turn "
+    "mean), GAE over turns with lambda_policy from the number of turns, the turn's advantage on each of "
+    "its action tokens")))
+register_algorithm(Algorithm("vapo", "gae", "ppo", doc=(
+    "VAPO-style (vanilla, as the SAO paper's baseline): one rollout, critic + token-level GAE, PPO clip "
+    "against pi_old computed once per batch before algo.ppo_epochs x algo.ppo_minibatches updates; no DIS "
+    "and none of VAPO's other additions (value pretraining is separate, no length-adaptive lambda tricks "
+    "beyond SAO's own, no positive-example LM loss, no group sampling)")))
+register_algorithm(Algorithm("grpo", "group", "ppo", doc=(
+    "GRPO (DeepSeekMath, DAPO-style clip-higher 0.2/0.28): algo.group_size rollouts per prompt trained "
+    "together once all have finished; advantage (R - mean_G)/std_G (population std) on every action "
+    "token; PPO clip against pi_old recomputed by the trainer once per batch before algo.ppo_epochs x "
+    "algo.ppo_minibatches updates; no KL penalty, no dynamic sampling, token-mean loss")))
+register_algorithm(Algorithm("grpo_dis", "group", "dis", doc=(
+    "GRPO+DIS (the SAO paper's strongest baseline): GRPO's group sampling and group advantage, with the "
+    "DIS loss against the rollout policy (one update per batch, no pi_old pass)")))
+register_algorithm(Algorithm("running_mean", "running_mean", "dis", doc=(
+    "running-mean baseline (paper §4.4/§4.5): one rollout; advantage = reward - mean of the last "
+    "algo.running_mean_window rewards of the same prompt (keyed by the prompt's tokens) or of one global "
+    "window; DIS; never whitened (whitening would turn it into a batch-mean baseline)")))

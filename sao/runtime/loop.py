@@ -125,7 +125,7 @@ def run_sync(trainer) -> None:
         trainer.actor.eval()  # generation runs without dropout; the learner switches back to train()
         t0 = time.perf_counter()
         batch, failed = usable_batch(engine, trainer.environment, trainer.codec, tasks, trainer.limits,
-                                     cfg.train.batch_size, trainer_step=step - 1)
+                                     cfg.train.batch_size, trainer_step=step - 1, queue=trainer.queue)
         trainer.totals["failed"] += failed
         gen_s = time.perf_counter() - t0
         torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)  # nothing else runs now

@@ -41,10 +41,22 @@ def check_runtime(cfg: Config) -> None:
             raise ConfigError("runtime.backend=ray: the ray package is not installed (pip install 'sao[ray]')")
 
 
+def check_algorithm(cfg: Config) -> None:
+    """Combinations an algorithm cannot train with (docs/algorithm.md §7), each refused with one line."""
+    algo = get_algorithm(cfg.algo.name)
+    b = cfg.train.batch_size
+    if algo.grouped and b % cfg.algo.group_size:
+        raise ConfigError(f"train.batch_size: {b} is not a multiple of algo.group_size={cfg.algo.group_size} "
+                          f"({algo.name} trains whole groups of rollouts of one prompt)")
+    if algo.policy_loss == "ppo" and b % cfg.algo.ppo_minibatches:
+        raise ConfigError(f"train.batch_size: {b} is not a multiple of algo.ppo_minibatches="
+                          f"{cfg.algo.ppo_minibatches} ({algo.name} splits each batch into equal minibatches)")
+
+
 def preflight(cfg: Config, resume: bool = False):
     """Validate names, options and paths; return the environment. Raises ConfigError/ValueError."""
     check_runtime(cfg)
-    get_algorithm(cfg.algo.name)
+    check_algorithm(cfg)
     environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
     if hasattr(type(environment), "config_defaults"):  # settings an environment imposed unseen: now recipes
         raise ConfigError(f"env.name: {cfg.env.name!r} declares config_defaults; put those settings in a recipe "

@@ -38,6 +38,7 @@ from sao.rollout.agent_loop import EpisodeLimits, run_episode
 from sao.runtime import checkpoint
 from sao.runtime.backend import flatten, make_backend
 from sao.runtime.evaluate import evaluate
+from sao.runtime.groups import make_queue, task_stream
 from sao.runtime.loop import Interrupted, rollout_metrics, run_async, run_sync
 from sao.runtime.model_setup import prepare_base_model
 from sao.runtime.preflight import preflight
@@ -48,7 +49,7 @@ from sao.runtime.scheduler import Audit, Scheduler, TaskStream
 from sao.runtime.worker_host import quiet_transformers
 from sao.trainer.batch import collate
 from sao.trainer.learner import Learner
-from sao.types import TRAINABLE, SamplingParams, Trajectory
+from sao.types import SamplingParams, Trajectory
 
 
 class ParityError(RuntimeError):
@@ -86,16 +87,20 @@ def generate_batch(engine, environment, codec, tasks, limits, n: int, params: Sa
     return asyncio.run(go())
 
 
-def usable_batch(engine, environment, codec, tasks, limits, n: int, trainer_step: int = 0) -> tuple[list[Trajectory], int]:
-    """n trainable episodes (generating more while some fail or are empty) and the number that failed."""
-    batch: list[Trajectory] = []
-    failed = 0
-    while len(batch) < n:
-        got = generate_batch(engine, environment, codec, tasks, limits, n - len(batch), SamplingParams(), trainer_step)
-        usable = [t for t in got if t.status in TRAINABLE and t.num_action_tokens]
-        failed += len(got) - len(usable)
-        batch += usable
-    return batch, failed
+def usable_batch(engine, environment, codec, tasks, limits, n: int, trainer_step: int = 0, queue=None
+                 ) -> tuple[list[Trajectory], int]:
+    """n trainable episodes (generating more while some fail or are empty) and the number that failed.
+    `queue` (sao/runtime/groups.py make_queue) decides what is usable: whole groups for group algorithms."""
+    queue = queue if queue is not None else TrajectoryQueue()
+    failed_before = sum(queue.failed.values())
+    while True:
+        if len(queue) < n:
+            for traj in generate_batch(engine, environment, codec, tasks, limits, n - len(queue), SamplingParams(),
+                                       trainer_step):
+                queue.put(traj)
+        batch, _ = queue.get_batch(n, engine.version, max_lag=1 << 30)  # one version: nothing is stale
+        if batch:
+            return batch, sum(queue.failed.values()) - failed_before
 
 
 def parity_check(trainer_model, engine_model, codec, environment, limits, tol: float, n: int = 16,
@@ -155,12 +160,12 @@ class Trainer:
         self.learner = Learner(self.actor, self.critic, self.algo, cfg.algo, cfg.critic, cfg.train)
         self.eval_tasks = self.environment.eval_tasks(cfg.eval.num_tasks)
         self.totals = {"dropped_stale": 0, "failed": 0, "wait_s": 0.0}
-        self.step, self.unpublished, self.queue = 0, 0, TrajectoryQueue()
+        self.step, self.unpublished, self.queue = 0, 0, make_queue(self.algo, cfg)  # whole groups for grpo
         state = checkpoint.load_state(ckpt) if ckpt is not None else None
         if state is not None:
             checkpoint.restore(self, state)  # truncates metrics/audit before they are appended to
         self.sched_state = state["scheduler"] if state else {}
-        self.tasks = TaskStream(self.environment.train_tasks(), self.sched_state.get("cursor", 0))
+        self.tasks = TaskStream(task_stream(self.environment, self.algo, cfg), self.sched_state.get("cursor", 0))
         self.audit = Audit(self.run.path / "audit.jsonl") if cfg.runtime.mode == "async" else None
         self.scheduler: Scheduler | None = None
         self.stop_requested = ""  # the signal's name once Ctrl-C or SIGTERM arrived

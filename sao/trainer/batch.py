@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +20,21 @@ class Batch:
     scalar_rewards: torch.Tensor  # (B,)
     num_action_tokens: torch.Tensor  # (B,)
     task_ids: list[str]
+    prompt_keys: list[str]  # a digest of the prompt's token ids: the same prompt drawn twice, the same key
+    group_ids: list[str]  # the group key: task ids are unique per draw, shared by a group's G rollouts
 
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
+
+    def rows(self, idx: torch.Tensor) -> Batch:
+        """The trajectories at `idx` (a minibatch), padding kept."""
+        pick = idx.tolist()
+        return Batch(
+            self.input_ids[idx], self.attention_mask[idx], self.action_mask[idx], self.behavior_logprobs[idx],
+            self.rewards[idx], self.scalar_rewards[idx], self.num_action_tokens[idx],
+            [self.task_ids[i] for i in pick], [self.prompt_keys[i] for i in pick], [self.group_ids[i] for i in pick],
+        )
 
 
 def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
@@ -50,4 +62,11 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
         scalar_rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         num_action_tokens=action_mask.sum(1),
         task_ids=[t.task_id for t in trajectories],
+        prompt_keys=[prompt_key(t) for t in trajectories],
+        group_ids=[t.task_id for t in trajectories],
     )
+
+
+def prompt_key(traj: Trajectory) -> str:
+    """Identifies the prompt by content (task ids are per draw in generated environments)."""
+    return hashlib.blake2b(repr(traj.token_ids[: traj.prompt_len]).encode(), digest_size=12).hexdigest()

@@ -5,7 +5,10 @@
     step 3  v2 = critic(batch), no grad; advantages from lambda_policy GAE on v2; whiten
     step 4  one actor step with the DIS loss                     (skipped during critic warm-up)
 
-Critic-free algorithms (running mean) skip steps 1-3 and fill advantages on every action token.
+Critic-free algorithms (group, running mean) skip steps 1-3 and put one advantage per trajectory on
+every action token; only critic-based advantages are whitened (docs/algorithm.md §7). PPO-loss algorithms (grpo,
+vapo) compute pi_old once per batch, then take `ppo_epochs x ppo_minibatches` actor updates against
+it; the policy version still advances by one per batch (weights are published per batch).
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ import time
 
 import torch
 
-from sao.algo.baselines import RunningMeanBaseline
+from sao.algo.baselines import RunningMeanBaseline, group_advantages
 from sao.algo.core import explained_variance, masked_mean, masked_whiten
-from sao.algo.gae import length_adaptive_lambda, skip_observation_gae, step_level_values
+from sao.algo.gae import length_adaptive_lambda, skip_observation_gae, step_level_gae, step_level_values
 from sao.algo.losses import dis_policy_loss, ppo_clip_loss, value_loss
 from sao.algo.registry import Algorithm
 from sao.config import AlgoConfig, CriticConfig, TrainConfig
@@ -60,8 +63,8 @@ class Learner:
 
     def _values(self, batch: Batch) -> torch.Tensor:
         v = critic_values(self.critic, batch.input_ids, batch.attention_mask)  # (B, T)
-        if self.algo.step_values:
-            v = step_level_values(v, batch.action_mask, self.algo.step_values)
+        if self.algo.step_level:
+            v = step_level_values(v, batch.action_mask, self.algo_cfg.step_value)
         return v
 
     def _critic_phase(self, batch: Batch, metrics: dict) -> torch.Tensor:
@@ -87,8 +90,11 @@ class Learner:
         metrics["critic/grad_norm"] = float(gn)
         with torch.no_grad():  # step 3
             v2 = self._values(batch)
-            lam = length_adaptive_lambda(batch.num_action_tokens, cfg.lam_alpha)
-            advantages, _ = skip_observation_gae(batch.rewards, v2, mask, cfg.gamma, lam)
+            if self.algo.step_level:  # one advantage per turn, lambda from the number of turns (App. A.1)
+                advantages, lam = step_level_gae(batch.rewards, v2, mask, cfg.gamma, cfg.lam_alpha, cfg.step_value)
+            else:
+                lam = length_adaptive_lambda(batch.num_action_tokens, cfg.lam_alpha)
+                advantages, _ = skip_observation_gae(batch.rewards, v2, mask, cfg.gamma, lam)
         metrics["critic/version"] = self.critic_version
         metrics["critic/value_mean"] = float(masked_mean(v2, mask))
         metrics["critic/return_mean"] = float(masked_mean(returns, mask))
@@ -96,8 +102,15 @@ class Learner:
         return advantages
 
     def _baseline_advantages(self, batch: Batch) -> torch.Tensor:
-        adv = self.running_mean.advantages(batch.scalar_rewards.tolist(), batch.task_ids)
-        return torch.tensor(adv)[:, None] * batch.action_mask  # every action token of a trajectory
+        if self.algo.grouped:
+            sizes = {g: batch.group_ids.count(g) for g in batch.group_ids}
+            if set(sizes.values()) != {self.algo_cfg.group_size}:  # the runtime trains whole groups only
+                raise RuntimeError(f"{self.algo.name}: batch holds groups of sizes {sorted(set(sizes.values()))}, "
+                                   f"expected algo.group_size={self.algo_cfg.group_size}")
+            adv = group_advantages(batch.scalar_rewards, batch.group_ids)
+        else:  # keyed by the prompt's content: a per-draw id would never fill its window
+            adv = torch.tensor(self.running_mean.advantages(batch.scalar_rewards.tolist(), batch.prompt_keys))
+        return adv[:, None] * batch.action_mask  # every action token of a trajectory
 
     def step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -108,7 +121,7 @@ class Learner:
         else:
             advantages = self._baseline_advantages(batch)
         metrics["adv/mean_raw"] = float(masked_mean(advantages, mask))
-        if self.algo_cfg.whiten_advantages:
+        if self.algo_cfg.whiten_advantages and self.algo.uses_critic:
             advantages = masked_whiten(advantages, mask)
         warmup = self.in_warmup
         metrics["train/critic_warmup"] = float(warmup)
@@ -120,14 +133,30 @@ class Learner:
         return metrics
 
     def _actor_step(self, batch: Batch, advantages: torch.Tensor) -> dict[str, float]:
-        mask, cfg = batch.action_mask, self.algo_cfg
+        cfg = self.algo_cfg
         self.actor.train()  # an engine sharing this model (evaluation, sync mode) switches it to eval()
-        if self.algo.policy_loss == "ppo":
-            with torch.no_grad():  # pi_old: the extra forward pass DIS avoids
+        if self.algo.policy_loss == "dis":  # one update; the ratio is against the rollout policy
+            metrics = self._update(batch, advantages, None)
+        else:
+            with torch.no_grad():  # pi_old, once per batch: the extra forward pass DIS avoids
                 old_logprobs = sequence_logprobs(self.actor, batch.input_ids, batch.attention_mask)
+            gen = torch.Generator().manual_seed(self.train_cfg.seed * 1_000_003 + self.steps_done)
+            rows = []
+            for _ in range(cfg.ppo_epochs):
+                for idx in torch.randperm(batch.size, generator=gen).chunk(cfg.ppo_minibatches):
+                    rows.append(self._update(batch.rows(idx), advantages[idx], old_logprobs[idx]))
+            metrics = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+            metrics["ppo/clipfrac_max"] = max(r["ppo/clipfrac"] for r in rows)
+            metrics["ppo/updates"] = float(len(rows))
+        self.actor_version += 1
+        return metrics
+
+    def _update(self, batch: Batch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None) -> dict[str, float]:
+        """One actor optimizer step on `batch`: DIS (old_logprobs None) or PPO clip against pi_old."""
+        mask, cfg = batch.action_mask, self.algo_cfg
         logits = self.actor(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         logprobs = token_logprobs(logits, batch.input_ids)  # (B, T)
-        if self.algo.policy_loss == "dis":
+        if old_logprobs is None:
             loss, metrics = dis_policy_loss(logprobs, batch.behavior_logprobs, advantages, mask,
                                             cfg.eps_low, cfg.eps_high)
         else:
@@ -144,7 +173,6 @@ class Learner:
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.train_cfg.grad_clip)
         self.actor_opt.step()
-        self.actor_version += 1
         metrics["actor/entropy"] = float(entropy.detach())
         metrics["actor/grad_norm"] = float(gn)
         return metrics
