@@ -23,6 +23,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
+from sao.envs.latency import LatencyOptions, with_latency
 from sao.envs.splits import SplitOptions, distinct_tasks, is_heldout, split_side
 from sao.types import Task
 
@@ -63,7 +64,7 @@ def evaluate(expr: str) -> int:
     return ev(tree)
 
 
-class CalcOptions(SplitOptions):
+class CalcOptions(SplitOptions, LatencyOptions):
     min_digits: int = Field(1, ge=1, le=6, description="fewest digits of an operand")
     max_digits: int = Field(2, ge=1, le=6, description="most digits of an operand")
     min_ops: int = Field(1, ge=1, le=6, description="fewest operations in a problem")
@@ -142,6 +143,7 @@ class CalcEnvironment:
     def __init__(self, options: CalcOptions, seed: int = 0):
         self.options = options
         self.seed = seed
+        self._latency_rng = random.Random(seed)  # env.options.step_latency_s (sao/envs/latency.py)
 
     def is_heldout(self, prompt: str) -> bool:
         """A fixed split by `data_seed` (not train.seed): `heldout_fraction` of problems, whatever is drawn."""
@@ -175,7 +177,7 @@ class CalcEnvironment:
         return self._stream(self.seed, "train", heldout=False)
 
     def new_episode(self, ctx: EpisodeContext) -> CalcEpisode:
-        return CalcEpisode()
+        return with_latency(CalcEpisode(), self.options, self._latency_rng)
 
     def demo(self, task: Task, rng: random.Random) -> list[Message]:
         """A solved episode for SFT: direct answer, or stepwise tool calls then the answer."""

@@ -35,6 +35,7 @@ from pydantic import Field, model_validator
 
 from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
 from sao.envs.dataset import TaskSplit, check_split, hash_split, option_error, read_rows
+from sao.envs.latency import LatencyOptions, with_latency
 from sao.envs.sandbox import SandboxLimits, SandboxResult, one_line, run_tests_async
 from sao.envs.splits import SplitOptions, distinct_tasks, is_heldout, split_side
 from sao.types import Task
@@ -67,7 +68,7 @@ LEVEL3 = [
 _SWAPS = [(" + ", " - "), (" - ", " + "), (" * ", " + "), ("max(", "min("), ("min(", "max("), (" > ", " < ")]
 
 
-class CodeOptions(SplitOptions):
+class CodeOptions(SplitOptions, LatencyOptions):
     min_level: int = Field(1, ge=1, le=3, description="generator: easiest level (1 one-liners, 2 fix the bug, 3 "
                                                       "conditionals and comprehensions)")
     max_level: int = Field(3, ge=1, le=3, description="generator: hardest level")
@@ -304,6 +305,7 @@ class CodeEnvironment:
     def __init__(self, options: CodeOptions, seed: int = 0):
         self.options = options
         self.seed = seed
+        self._latency_rng = random.Random(seed)  # env.options.step_latency_s (sao/envs/latency.py)
         self.limits = SandboxLimits(cpu_s=options.timeout_s, wall_s=options.timeout_s, memory_mb=options.memory_mb)
         self._gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one semaphore per event loop
         self.file: TaskSplit | None = None  # tasks of a JSONL file, split by data_seed
@@ -342,7 +344,7 @@ class CodeEnvironment:
         return self._stream(self.seed, "train", heldout=False)
 
     def new_episode(self, ctx: EpisodeContext) -> CodeEpisode:
-        return CodeEpisode(self)
+        return with_latency(CodeEpisode(self), self.options, self._latency_rng)  # on top of the sandbox's own
 
     def demo(self, task: Task, rng: random.Random) -> list[Message]:
         """A solved episode for SFT: submit the reference, or run the tests on it first, then submit."""

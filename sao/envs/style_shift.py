@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
+from sao.envs.latency import LatencyOptions, with_latency
 from sao.envs.splits import SplitOptions, is_heldout, split_side
 from sao.types import Task
 
@@ -53,7 +54,7 @@ def _default_phases() -> list[Phase]:
             Phase(start=200, rewarded="classical", candidates=["classical", "plain", "pirate", "formal"])]
 
 
-class StyleShiftOptions(SplitOptions):
+class StyleShiftOptions(SplitOptions, LatencyOptions):
     heldout_fraction: float = Field(0.2, gt=0, lt=1, description="share of the 100 sums a+b held out (hash split)")
     phases: list[Phase] = Field(default_factory=_default_phases, min_length=1, description="reward schedule")
     pool: list[str] = Field(default_factory=lambda: list(POOL), description="styles SFT demos draw candidates from")
@@ -110,6 +111,7 @@ class StyleShiftEnvironment:
 
     def __init__(self, options: StyleShiftOptions, seed: int = 0):
         self.options, self.seed = options, seed
+        self._latency_rng = random.Random(seed)  # env.options.step_latency_s (sao/envs/latency.py)
 
     def _heldout(self, problem: str) -> bool:  # by data_seed, not train.seed: one held-out set for every run
         return is_heldout(problem, self.options.heldout_fraction, self.options.data_seed)
@@ -133,7 +135,7 @@ class StyleShiftEnvironment:
         return [next(stream) for _ in range(n)]
 
     def new_episode(self, ctx: EpisodeContext) -> StyleShiftEpisode:
-        return StyleShiftEpisode(self.options, ctx or EpisodeContext())
+        return with_latency(StyleShiftEpisode(self.options, ctx or EpisodeContext()), self.options, self._latency_rng)
 
     def demo(self, task: Task, rng: random.Random) -> list[Message]:
         candidates = rng.sample(self.options.pool, self.options.demo_candidates)
