@@ -55,8 +55,8 @@ def test_work_is_spread_over_workers_and_a_lost_workers_episodes_are_issued_agai
     assert sched.handle([Finished(1, done)], q, 1) == 1
     sched.handle([WorkerLost(1, "killed")], q, 1)  # the other assignment of worker 1 was unfinished
     sched.fill(1)
-    reissued = [a.id for a in backend.got[1][2:]]  # the restarted worker 1 is now the least loaded
-    assert reissued == [backend.got[1][1].id] and backend.got[0][2:] == []  # the same episode, not a fresh task
+    reissued = [a.id for a in backend.got[0][2:]]  # to worker 0: the restarted worker 1 is still loading
+    assert reissued == [backend.got[1][1].id] and backend.got[1][2:] == []  # the same episode, not a fresh task
     assert sched.tasks.cursor == 4
     assert sched.handle([Finished(1, done)], q, 1) == 0  # a duplicate delivery is ignored
     events = [json.loads(line)["event"] for line in open(tmp_path / "audit.jsonl")]

@@ -74,12 +74,14 @@ class Scheduler:
         self.stats: dict[int, WorkerStats] = {}
         self.lost = 0
         self.engine_reruns: dict[str, int] = {}
+        self.cold: set[int] = set()  # restarted workers that have not reported yet (they load for seconds)
 
     def room(self) -> int:
         return (self.consumed + self.max_lag + 1) * self.batch_size - (self.issued - self.refunded)
 
     def fill(self, step: int) -> None:
-        """Issue re-runs first, then fresh tasks while pacing allows; least-loaded worker first."""
+        """Issue re-runs first, then fresh tasks while pacing allows; to the least-loaded worker, preferring
+        workers that have reported since they (re)started, so re-runs do not wait for a restart."""
         per_worker: dict[int, list[Assignment]] = {}
         load = [0] * self.backend.workers
         for w, _ in self.outstanding.values():
@@ -90,7 +92,7 @@ class Scheduler:
             else:
                 item = Assignment(f"e{self.issued:07d}", self.tasks.next(), step)
                 self.issued += 1
-            w = load.index(min(load))
+            w = min(range(len(load)), key=lambda i: (i in self.cold, load[i]))  # warm, least loaded
             load[w] += 1
             self.outstanding[item.id] = (w, item)
             per_worker.setdefault(w, []).append(item)
@@ -102,6 +104,8 @@ class Scheduler:
         """Apply received records; finished trajectories go into `queue`. Returns how many arrived."""
         arrived = 0
         for rec in records:
+            if not isinstance(rec, WorkerLost):
+                self.cold.discard(rec.worker)
             if isinstance(rec, Finished):
                 traj = rec.trajectory
                 _, item = self.outstanding.pop(traj.id, (None, None))
@@ -119,6 +123,7 @@ class Scheduler:
                 self.stats[rec.worker] = rec
             elif isinstance(rec, WorkerLost):
                 self.lost += 1
+                self.cold.add(rec.worker)
                 lost = sorted((a for w, a in self.outstanding.values() if w == rec.worker), key=lambda a: a.id)
                 for a in lost:
                     del self.outstanding[a.id]
