@@ -128,8 +128,7 @@ def restore(trainer, state: dict) -> None:
     if learner.critic_opt is not None and state["critic_opt"] is not None:
         learner.critic_opt.load_state_dict(state["critic_opt"])
     if learner.running_mean is not None and state["running_mean"]:
-        for key, rewards in state["running_mean"].items():
-            learner.running_mean._history[key].extend(rewards)
+        learner.running_mean.load_state_dict(state["running_mean"])
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])
     trainer.step, trainer.unpublished = state["step"], state["unpublished"]
