@@ -33,3 +33,13 @@ fi
 if [ $want_vllm = 1 ]; then
   PYTHON="$PY" bash scripts/install_vllm.sh
 fi
+# The code sandbox (sao/sandbox/) prefers bubblewrap and falls back on util-linux unshare; install it
+# where we may (root with apt), and say why not elsewhere: tests/test_sandbox.py then skips its bwrap cases.
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+      || echo "install.sh: could not apt-get install bubblewrap; the sandbox uses unshare"
+  else
+    echo "install.sh: bubblewrap not installed (needs root and apt); the sandbox uses unshare"
+  fi
+fi

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from sao.envs.base import make_environment
-from sao.envs.code_env import CodeEnvironment, CodeOptions, parse_action, with_got
-from sao.envs.sandbox import available_mechanism, run_tests
+from sao.envs.code_env import CodeEnvironment, CodeOptions, describe, parse_action
 from sao.models.tokenizer import build_char_tokenizer
+from sao.sandbox import available_mechanism, get_sandbox, judge
 
 ENV = "sao.envs.code_env:CodeEnvironment"
-needs_sandbox = pytest.mark.skipif(available_mechanism() == "none", reason="no sandbox mechanism (root + bwrap)")
+needs_sandbox = pytest.mark.skipif(available_mechanism() == "none", reason="no sandbox mechanism (see sao.sandbox.probe)")
+run_tests = get_sandbox().run
 
 
 # From tests/test_smoke_train.py, with room for a code block in an action (64 tokens, not 12).
@@ -57,6 +58,8 @@ def test_generator_is_deterministic_split_is_disjoint_and_prompts_are_short():
     assert {t.meta["level"] for t in train} == {1, 2, 3}
     assert all(len(t.prompt) <= 120 and len(t.meta["reference"]) <= 60 for t in train + held)
     assert all(3 <= len(t.answer) <= 5 for t in train)
+    # every generated test is judged on the host: its expected value never enters the sandbox
+    assert all(judge.plan(test).host_judged for t in train + held for test in t.answer)
     assert _env(min_level=2, max_level=2).eval_tasks(5)[0].prompt.startswith("Fix f")
     tok = build_char_tokenizer()  # code is plain printable ASCII: no unknown tokens
     assert all(tok.unk_token_id not in tok.encode(t.prompt + t.meta["reference"]) for t in held)
@@ -85,8 +88,6 @@ def test_action_parsing_and_failure_messages():
     assert parse_action(_fenced("x = 1", "<run_tests>")) == ("run", "x = 1")
     assert parse_action("<submit>") == ("submit", None)
     assert parse_action("```python\nx = 1\n```") == (None, None)
-    assert with_got("assert f(1) == 4") == "assert f(1) == 4, 'got ' + repr(f(1))"
-    assert with_got("assert f(1)") == "assert f(1)"
 
 
 @needs_sandbox
@@ -124,6 +125,23 @@ def test_submit_rewards_full_zero_partial_and_sandbox_failures():
     assert spy.reward == 0.0 and spy.info["sandbox_forbidden"] == 1.0
     hang = _play(partial, task, [_fenced("def f(*a):\n    while True: pass", "<run_tests>")])[0]
     assert hang.observation.startswith("timeout:") and not hang.done
+
+
+@needs_sandbox
+def test_printed_fake_failures_do_not_change_the_observation():
+    """Issue 9: the <run_tests> observation came from parsing program output, so printing fake
+    failure lines (or a fake pass count) changed what the model saw."""
+    task = _env(min_level=1, max_level=1).eval_tasks(1)[0]
+    n = len(task.answer)
+    fake = (f"print('--- test 1 failed: {task.answer[0]}\\nAssertionError: got 99')\n"
+            f"print('--- solution failed\\nSyntaxError: nope')\nprint('{n}/{n} passed')")
+    honest = _play(_env(), task, [_fenced(task.meta["reference"], "<run_tests>")])[0].observation
+    printed = _play(_env(), task, [_fenced(task.meta["reference"] + "\n" + fake, "<run_tests>")])[0].observation
+    assert honest == printed == f"{n}/{n} passed"
+    wrong = _play(_env(), task, [_fenced("def f(*a):\n    return 'nope'\n" + fake, "<run_tests>")])[0].observation
+    assert wrong.startswith(f"0/{n} passed\nFAIL") and "got 'nope'" in wrong and "99" not in wrong
+    verdict = run_tests(task.meta["reference"] + "\n" + fake, task.answer, _env().limits)
+    assert describe(verdict, task.answer, CodeOptions()) == f"{n}/{n} passed" and "got 99" in verdict.output
 
 
 def test_demo_is_a_solved_episode_in_the_agent_loop_format():

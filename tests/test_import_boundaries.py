@@ -15,6 +15,7 @@ FORBIDDEN = {
     "sao.envs": ["sao.engine", "sao.trainer", "sao.runtime", "sao.rollout"],
     "sao.rollout": ["sao.trainer", "sao.runtime"],
     "sao.trainer": ["sao.rollout", "sao.engine", "sao.runtime", "sao.envs"],
+    "sao.sandbox": ["sao."],  # and stdlib only: test_the_sandbox_imports_only_the_standard_library
 }
 
 
@@ -50,6 +51,18 @@ def test_module_respects_its_boundaries(path):
                 continue  # inside its own package
             assert not any(imported == b.rstrip(".") or imported.startswith(b) for b in bad_prefixes), \
                 f"{name} imports {imported}"
+
+
+def test_the_sandbox_imports_only_the_standard_library():
+    """design.md: sao/sandbox is stdlib only (it runs where the trainer's packages may not exist)."""
+    import sys
+
+    files = sorted((ROOT / "sandbox").glob("*.py"))
+    assert files
+    for path in files:
+        outside = {i for i in _imports(path) if i.split(".")[0] not in sys.stdlib_module_names
+                   and i != "sao.sandbox" and not i.startswith("sao.sandbox.")}
+        assert not outside, f"{path.name} imports {sorted(outside)}"
 
 
 def test_boundary_checker_sees_violations(tmp_path):

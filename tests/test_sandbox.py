@@ -1,13 +1,16 @@
-"""sao.envs.sandbox: normal runs, then escape attempts, each contained with the right status.
+"""sao.sandbox: normal runs, then escape attempts, each contained with the right status.
 
-Every test that runs code is parametrized over the mechanisms that work here (bwrap, and the unshare
-fallback that a fresh CI machine uses); afterwards each test checks that no process of its runs is left.
-Tests with `guard=False` check the OS layers alone, without the in-process audit hook.
+Every test that runs code is parametrized over the mechanisms that work here (bwrap when installed,
+and util-linux unshare). As root, `test_the_suite_passes_as_an_unprivileged_user` runs this whole
+file again as a user it creates, on the user-namespace path. After each test, no process of its
+runs is left. `guard=False` runs check the OS layers without the in-process audit hook.
+Issue 9's attack classes: forged records, introspection of the harness, the nested-name import,
+fallocate on outputs, memfd and shared memory (here); printed fake failures (tests/test_code_env.py).
 """
 
 import asyncio
-import json
 import os
+import pwd
 import socket
 import subprocess
 import sys
@@ -18,106 +21,143 @@ from textwrap import dedent
 
 import pytest
 
-from sao.envs import sandbox
-from sao.envs.sandbox import MECHANISMS, SandboxLimits, SandboxUnavailable, run_tests, run_tests_async
+from sao.sandbox import MECHANISMS, Limits, NamespaceSandbox, SandboxUnavailable, get_sandbox, judge, namespace
 
 PROJECT = Path(__file__).resolve().parents[1]
-WORKING = [m for m in MECHANISMS if sandbox.mechanism_works(m)]
-FAST = SandboxLimits(cpu_s=1, wall_s=4, memory_mb=256, max_procs=8, max_file_mb=4)
+AS_USER_ENV = "SAO_SANDBOX_SUITE_AS_USER"  # set in the copy of this suite that runs unprivileged
+WORKING = [m for m in MECHANISMS if namespace.mechanism_works(m)]
+for _m in MECHANISMS:
+    if _m not in WORKING:
+        print(f"test_sandbox: skipping mechanism {_m}: {namespace.probe(_m)}", file=sys.stderr)
+FAST = Limits(cpu_s=1, wall_s=4, memory_mb=256, max_procs=8, max_file_mb=4)
 ADD = "def add(a, b):\n    return a + b\n"
 mechanisms = pytest.mark.parametrize("mech", WORKING)
 
 
-def _processes_of(uids: set[int]) -> list[int]:
-    """Pids whose real uid is in `uids` (read from status: /proc entries of non-dumpable processes belong to root)."""
-    pids = []
-    for entry in os.listdir("/proc"):
+def run(code, tests, limits=FAST, *, mech, guard=True, setup=""):
+    return NamespaceSandbox(mech, guard=guard).run(code, tests, limits, setup=setup)
+
+
+def _leftovers(uids: set[int]) -> list[int]:
+    """Root mode: processes of the runs' uids. User mode: our own processes in another PID namespace."""
+    own_ns, pids = os.readlink("/proc/self/ns/pid"), []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            uid_line = next(x for x in Path(f"/proc/{entry}/status").read_text().splitlines() if x.startswith("Uid:"))
+            status = Path(f"/proc/{entry}/status").read_text()
+            uid = int(next(x for x in status.splitlines() if x.startswith("Uid:")).split()[1])
+            if uid in uids or (namespace.mode() == "user" and uid == os.getuid()
+                               and os.readlink(f"/proc/{entry}/ns/pid") != own_ns):
+                pids.append(int(entry))
         except (OSError, StopIteration):
             continue
-        if int(uid_line.split()[1]) in uids:
-            pids.append(int(entry))
     return pids
 
 
 @pytest.fixture(autouse=True)
 def nothing_left_behind(monkeypatch):
-    """After each test, no process of its runs' uids is left and their temporary directories are gone.
+    """After each test, no process of its runs is left and their mount-point directories are gone."""
+    uids, dirs, init = set(), [], namespace._Run.__init__
 
-    Only this test's runs count: other sandboxes may run on the machine at the same time.
-    """
-    uids, dirs, init = set(), [], sandbox._Run.__init__
+    def recording_init(r, *args, **kwargs):
+        init(r, *args, **kwargs)
+        uids.add(r.uid)
+        dirs.append(r.dir)
 
-    def recording_init(run, *args, **kwargs):
-        init(run, *args, **kwargs)
-        uids.add(json.loads(run.payload)["uid"])
-        dirs.append(run.dir)
-
-    monkeypatch.setattr(sandbox._Run, "__init__", recording_init)
+    monkeypatch.setattr(namespace._Run, "__init__", recording_init)
     yield
     deadline = time.monotonic() + 5  # the kernel tears a PID namespace down asynchronously
-    while _processes_of(uids) and time.monotonic() < deadline:
+    while _leftovers(uids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _processes_of(uids) == [], "a sandboxed process outlived its run"
+    assert _leftovers(uids) == [], "a sandboxed process outlived its run"
     assert not [d for d in dirs if os.path.exists(d)], "a run left its temporary directory"
 
 
-def test_a_mechanism_works_as_root_and_none_refuses(monkeypatch):
-    if os.geteuid() == 0:
-        assert sandbox.available_mechanism() in MECHANISMS, "neither bwrap nor unshare can contain a run here"
-    monkeypatch.setattr(sandbox, "mechanism_works", lambda name: False)
-    assert sandbox.available_mechanism() == "none"
-    with pytest.raises(SandboxUnavailable, match="refusing to run model code unconfined"):
-        run_tests(ADD, ["assert add(1, 2) == 3"])
-    with pytest.raises(SandboxUnavailable):
-        run_tests(ADD, ["assert add(1, 2) == 3"], mechanism="docker")
+def test_a_mechanism_works_here_and_none_refuses_with_what_is_missing(monkeypatch):
+    assert WORKING, f"nothing contains a run here: { {m: namespace.probe(m) for m in MECHANISMS} }"
+    monkeypatch.setattr(namespace, "probe", lambda name: "not installed" if name == "bwrap" else "unshare failed: EPERM")
+    assert namespace.available_mechanism() == "none"
+    with pytest.raises(SandboxUnavailable, match=r"bwrap: not installed; unshare: unshare failed: EPERM.*"
+                                                 r"refusing to run model code unconfined") as error:
+        get_sandbox().run(ADD, ["assert add(1, 2) == 3"])
+    assert "\n" not in str(error.value)
+    with pytest.raises(SandboxUnavailable, match="docker"):
+        get_sandbox("docker").run(ADD, ["assert add(1, 2) == 3"])
 
 
 @pytest.mark.skipif(not WORKING, reason="no mechanism works here (see the test above)")
 def test_the_environment_variable_forces_a_mechanism(monkeypatch):
-    monkeypatch.setenv(sandbox.MECHANISM_ENV, WORKING[-1])
-    assert run_tests(ADD, "assert add(1, 2) == 3", FAST).mechanism.startswith(WORKING[-1] + "+uid+rlimits")
+    monkeypatch.setenv(namespace.MECHANISM_ENV, WORKING[-1])
+    layers = "uid" if os.geteuid() == 0 else "userns"
+    assert get_sandbox().run(ADD, "assert add(1, 2) == 3", FAST).mechanism.startswith(f"{WORKING[-1]}+{layers}+seccomp")
+
+
+# --- the judge ----------------------------------------------------------------------------------
+
+def test_the_host_keeps_expected_values_and_judges_data_only():
+    check = judge.plan("assert f(1, [2]) == {'a': (3, None)}")
+    assert (check.expr, check.op, check.expected) == ("f(1, [2])", "==", {"a": (3, None)})
+    assert judge.plan("assert 5 == f(1)").expr == "f(1)" and judge.plan("assert not f(0)").op == "falsy"
+    assert judge.plan("assert f(2) in (1, 2), 'msg'").op == "in" and judge.plan("assert f() is None").op == "is"
+    for snippet in ("assert f(1) == g(1)", "x = f(1)\nassert x == 2", "assert f(", "print(1)"):
+        assert not judge.plan(snippet).host_judged, snippet
+    assert judge.judge(judge.plan("assert f() == 3"), "3.0") == (True, "")  # as `==` does
+    assert judge.judge(judge.plan("assert f() == [1]"), "(1,)")[0] is False
+    assert "not a plain value" in judge.judge(judge.plan("assert f() == 3"), "<Always object at 0x1>")[1]
+    assert "too large" in judge.judge(judge.plan("assert f() == 3"), "1" * 70000)[1]
+
+
+@mechanisms
+def test_an_object_equal_to_everything_does_not_pass(mech):
+    always = "class A:\n    def __eq__(self, other):\n        return True\n    __repr__ = lambda self: '7'\n"
+    r = run(always + "def add(a, b):\n    return A()", ["assert add(1, 2) == 3", "assert add(1, 2) == 'x'"], mech=mech)
+    assert (r.status, r.passed) == ("failed", 0), r  # the repr says 7: compared on the host, 7 != 3
+    r = run(always.replace("'7'", "'A()'") + "def add(a, b):\n    return A()", ["assert add(1, 2) == 3"], mech=mech)
+    assert r.status == "failed" and "not a plain value" in r.tests[0].error
 
 
 # --- normal cases ---------------------------------------------------------------------------------
 
 @mechanisms
 def test_a_correct_solution_passes(mech):
-    r = run_tests(ADD + "print('hello')", ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add('a', 'b') == 'ab'"],
-                  FAST, mechanism=mech)
+    r = run(ADD + "print('hello')", ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add('a', 'b') == 'ab'"],
+            mech=mech)
     assert (r.status, r.passed, r.failed, r.total) == ("passed", 3, 0, 3), r
-    assert r.output == "hello" and r.mechanism == f"{mech}+uid+rlimits+guard" and r.duration_s < 3
+    assert [t.judge for t in r.tests] == ["host"] * 3 and r.tests[2].got == "'ab'"
+    assert r.output == "hello\n" and r.mechanism.startswith(mech) and r.mechanism.endswith("+guard")
+    assert r.duration_s < 3
 
 
 @mechanisms
-def test_a_wrong_solution_fails_with_the_assertion_message(mech):
-    r = run_tests(ADD, ["assert add(1, 2) == 3", "assert add(2, 2) == 5, 'add(2, 2) should be 5'"], FAST, mechanism=mech)
-    assert (r.status, r.passed, r.failed, r.total) == ("failed", 1, 1, 2)
-    assert "AssertionError: add(2, 2) should be 5" in r.output and "test 2" in r.reason
+def test_a_wrong_solution_fails_with_the_value_it_got(mech):
+    r = run(ADD, ["assert add(1, 2) == 3", "assert add(2, 2) == 5, 'add(2, 2) should be 5'",
+                  "assert add(2, 2) == 5 and True", "x = add(2, 2)\nassert x == 5, 'should be 5'"], mech=mech)
+    assert (r.status, r.passed, r.failed, r.total) == ("failed", 1, 3, 4)
+    assert r.tests[1].error == "got 4" and "test 2: got 4" in r.reason and r.tests[2].error == "got False"
+    assert r.tests[3].judge == "sandbox" and r.tests[3].error == "AssertionError: should be 5"
 
 
 @mechanisms
 def test_a_syntax_error_fails_with_a_clear_reason(mech):
-    r = run_tests("def add(a, b)\n    return a + b", ["assert add(1, 2) == 3"], FAST, mechanism=mech)
+    r = run("def add(a, b)\n    return a + b", ["assert add(1, 2) == 3"], mech=mech)
     assert (r.status, r.passed, r.total) == ("failed", 0, 1)
     assert "the solution failed: SyntaxError" in r.reason and "line 1" in r.reason
-    bad_test = run_tests(ADD, ["assert add(1, 2) == 3", "assert add(1,"], FAST, mechanism=mech)
+    assert r.solution_error.startswith("solution: SyntaxError")
+    bad_test = run(ADD, ["assert add(1, 2) == 3", "assert add(1,"], mech=mech)
     assert (bad_test.status, bad_test.passed) == ("failed", 1) and "SyntaxError" in bad_test.reason
 
 
 @mechanisms
 def test_setup_runs_first_and_its_failure_is_a_crash(mech):
-    assert run_tests("def f(x):\n    return sqrt(x)", "assert f(4) == 2", FAST, setup="from math import sqrt",
-                     mechanism=mech).status == "passed"
-    r = run_tests(ADD, "assert add(1, 2) == 3", FAST, setup="import no_such_module", mechanism=mech)
+    assert run("def f(x):\n    return sqrt(x)", "assert f(4) == 2", setup="from math import sqrt",
+               mech=mech).status == "passed"
+    r = run(ADD, "assert add(1, 2) == 3", setup="import no_such_module", mech=mech)
     assert r.status == "crashed" and "setup code failed: ModuleNotFoundError" in r.reason
 
 
 @mechanisms
 def test_code_runs_on_the_base_python_without_project_packages(mech):
     sol = "import sys\nprefix = sys.prefix\ntry:\n    import sao\nexcept ImportError:\n    sao = None\n"
-    r = run_tests(sol, [f"assert prefix == {os.path.realpath(sys.base_prefix)!r}", "assert sao is None"], FAST, mechanism=mech)
+    r = run(sol, [f"assert prefix == {os.path.realpath(sys.base_prefix)!r}", "assert sao is None"], mech=mech)
     assert r.status == "passed", r
 
 
@@ -125,9 +165,8 @@ def test_code_runs_on_the_base_python_without_project_packages(mech):
 def test_common_stdlib_works_under_the_guard(mech):
     sol = dedent("""
         from collections import namedtuple
-        import asyncio, enum, logging, threading, typing
+        import asyncio, enum, logging, threading, traceback, typing, inspect
         P = namedtuple('P', 'x y')
-        T = typing.TypeVar('T')
         Color = enum.Enum('Color', 'red green')
         logging.getLogger().warning('logged')
         async def triple(x):
@@ -139,11 +178,12 @@ def test_common_stdlib_works_under_the_guard(mech):
         open('scratch.txt', 'w').write('ok')
         def depth(n):
             return 0 if n == 0 else 1 + depth(n - 1)
+        here = inspect.stack()[0].function
         """)
     tests = ["assert P(1, 2).y == 2", "assert asyncio.run(triple(2)) == 6", "assert sorted(out) == [0, 1, 2]",
              "assert open('/tmp/scratch.txt').read() == 'ok'",  # /tmp is the sandbox's own directory
-             "import sys\nsys.setrecursionlimit(30000)\nassert depth(20000) == 20000"]
-    r = run_tests(sol, tests, FAST, mechanism=mech)
+             "import sys\nsys.setrecursionlimit(30000)\nassert depth(20000) == 20000", "assert here == '<module>'"]
+    r = run(sol, tests, mech=mech)
     assert r.status == "passed", r
     assert "logged" in r.output
 
@@ -152,14 +192,14 @@ def test_common_stdlib_works_under_the_guard(mech):
 
 @mechanisms
 def test_an_infinite_loop_hits_the_cpu_limit(mech):
-    r = run_tests("while True:\n    pass", ["assert True"], FAST, mechanism=mech)
+    r = run("while True:\n    pass", ["assert True"], mech=mech)
     assert r.status == "timeout" and "CPU time limit of 1 s" in r.reason, r
 
 
 @mechanisms
 def test_a_hang_hits_the_wall_clock_and_keeps_earlier_credit(mech):
-    limits = SandboxLimits(cpu_s=1, wall_s=2, memory_mb=256, max_procs=8, max_file_mb=4)
-    r = run_tests(ADD, ["assert add(1, 2) == 3", "import time\ntime.sleep(60)", "assert add(1, 1) == 2"], limits, mechanism=mech)
+    limits = Limits(cpu_s=1, wall_s=2, memory_mb=256, max_procs=8, max_file_mb=4)
+    r = run(ADD, ["assert add(1, 2) == 3", "import time\ntime.sleep(60)", "assert add(1, 1) == 2"], limits, mech=mech)
     assert (r.status, r.passed, r.total) == ("timeout", 1, 3), r
     assert "wall-clock limit of 2 s exceeded (during test 2)" in r.reason and 2 <= r.duration_s < 3.5
 
@@ -167,20 +207,100 @@ def test_a_hang_hits_the_wall_clock_and_keeps_earlier_credit(mech):
 @mechanisms
 def test_a_memory_bomb_hits_the_memory_limit(mech):
     for bomb in ("x = bytearray(10 ** 10)", "x = []\nwhile True:\n    x.append(' ' * 10 ** 6)"):
-        r = run_tests(ADD, ["assert add(1, 2) == 3", bomb], FAST, mechanism=mech)
+        r = run(ADD, ["assert add(1, 2) == 3", bomb], mech=mech)
         assert (r.status, r.passed) == ("memory", 1), r
         assert "memory limit of 256 MB exceeded (during test 2)" in r.reason
 
 
 @mechanisms
+def test_memory_spread_over_processes_counts_for_the_run(mech):
+    # Each process stays under its address-space limit; together they exceed the run's memory.
+    spread = dedent("""
+        import os, time
+        for _ in range(4):  # 4 x 120 MB; the fork cap (8 tasks) leaves room for 4 in every mode
+            if os.fork() == 0:
+                block = bytearray(120 << 20)
+                time.sleep(10)
+                os._exit(0)
+        time.sleep(10)
+        """)
+    limits = Limits(cpu_s=2, wall_s=8, memory_mb=256, max_procs=8, max_file_mb=4)
+    r = run(spread, ["assert True"], limits, mech=mech, guard=False)
+    assert r.status == "memory" and "memory limit of 256 MB exceeded" in r.reason and r.duration_s < 6, r
+
+
+@mechanisms
+def test_memfd_and_shared_memory_are_refused_or_counted(mech):
+    probes = dedent("""
+        import ctypes, mmap, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        out = {}
+        try:
+            os.memfd_create('x')
+            out['memfd'] = 'made'
+        except OSError as e:
+            out['memfd'] = e.errno
+        out['shmget'] = (libc.shmget(0, 64 << 20, 0o1600), ctypes.get_errno())  # IPC_PRIVATE, IPC_CREAT | 0600
+        out['devshm'] = os.path.exists('/dev/shm')
+        try:
+            mmap.mmap(-1, 1 << 30, flags=mmap.MAP_SHARED)
+            out['shared'] = 'mapped'
+        except OSError as e:
+            out['shared'] = e.errno
+        out['userns'] = (libc.unshare(0x10000000), ctypes.get_errno())  # CLONE_NEWUSER
+        out['mount'] = (libc.mount(b'none', b'/sandbox', b'tmpfs', 0, None), ctypes.get_errno())
+        try:
+            for i in range(10):  # 3 MB files (the file limit is 4 MB) into a tmpfs of 16 MB
+                open(f'/sandbox/fill{i}', 'wb').write(b'x' * (3 << 20))
+            out['tmpfs'] = 'written'
+        except OSError as e:
+            out['tmpfs'] = e.errno
+        """)
+    tests = ["assert out['memfd'] == 1", "assert out['shmget'] == (-1, 1)", "assert out['devshm'] is False",
+             "assert out['shared'] == 12", "assert out['userns'] == (-1, 1)", "assert out['mount'] == (-1, 1)",
+             "assert out['tmpfs'] == 28"]  # EPERM, ENOMEM, ENOSPC
+    r = run(probes, tests, Limits(cpu_s=2, wall_s=6, memory_mb=256, max_procs=8, max_file_mb=4), mech=mech, guard=False)
+    assert r.status == "passed", (r.reason, [t for t in r.tests if not t.passed], r.output[-500:])
+    guarded = run("import os\nos.memfd_create('x')", ["assert True"], mech=mech)
+    assert guarded.status == "failed" and "PermissionError" in guarded.reason
+
+
+@mechanisms
+def test_fallocate_has_no_host_file_to_grow(mech):
+    # Issue 9: fallocate(KEEP_SIZE) on the host-side output files reserved 1 GiB past a 16 MB file limit.
+    # Here every descriptor is a pipe or /dev/null (ESPIPE, ENODEV) and the only writable files are on
+    # the capped tmpfs (EFBIG past the file limit, ENOSPC past its size).
+    grab = dedent("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal(25, ctypes.c_void_p(1))  # SIGXFSZ ignored: EFBIG instead of dying
+        ok = []
+        for fd in range(64):
+            # FALLOC_FL_KEEP_SIZE: the file's size does not change, so RLIMIT_FSIZE does not see it
+            if libc.fallocate(fd, 1, ctypes.c_long(0), ctypes.c_long(1 << 30)) == 0:
+                ok.append(fd)
+        fd = os.open('/sandbox/big', os.O_CREAT | os.O_WRONLY)
+        sandbox_tmpfs = libc.fallocate(fd, 1, ctypes.c_long(0), ctypes.c_long(1 << 30)), ctypes.get_errno()
+        """)
+    r = run(grab, ["assert ok == []", "assert sandbox_tmpfs in ((-1, 27), (-1, 28))"], mech=mech, guard=False)
+    assert r.status == "passed", (r.reason, r.tests)
+
+
+@mechanisms
 def test_a_huge_file_hits_the_file_size_limit_and_leaves_nothing(mech):
     name = f"sao-escape-{uuid.uuid4().hex}"
-    r = run_tests(f"open('/tmp/{name}', 'wb').write(b'x' * (64 << 20))", ["assert True"], FAST, mechanism=mech)
+    r = run(f"open('/tmp/{name}', 'wb').write(b'x' * (64 << 20))", ["assert True"], mech=mech)
     assert r.status == "crashed" and "file size limit of 4 MB exceeded" in r.reason, r
     assert not Path("/tmp", name).exists()
     many = "for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * (3 << 20))"
-    r = run_tests(many, ["assert True"], FAST, mechanism=mech)
-    assert r.status == "failed" and "No space left on device" in r.output  # the directory is a 16 MB tmpfs
+    r = run(many, ["assert True"], mech=mech)
+    assert r.status == "failed" and "No space left on device" in r.reason  # the directory is a 16 MB tmpfs
+
+
+@mechanisms
+def test_output_is_capped_on_the_host(mech):
+    r = run("import os\nfor _ in range(64):\n    os.write(1, b'x' * (1 << 20))", ["assert True"], mech=mech)
+    assert r.status == "passed" and len(r.output) < (FAST.max_output_kb << 10) + 100 and "bytes cut" in r.output
 
 
 SLEEPERS = dedent("""
@@ -200,21 +320,21 @@ SLEEPERS = dedent("""
 
 @mechanisms
 def test_forking_is_forbidden_by_the_guard(mech):
-    r = run_tests(SLEEPERS, ["assert True"], FAST, mechanism=mech)
+    r = run(SLEEPERS, ["assert True"], mech=mech)
     assert r.status == "forbidden" and "forking" in r.reason
 
 
 @mechanisms
 def test_a_fork_bomb_is_capped_by_the_os_layers_and_leaves_no_process(mech):
-    # First harmless: sleeping children, capped by RLIMIT_NPROC of the run's uid.
-    r = run_tests(SLEEPERS, ["assert True"], FAST, mechanism=mech, guard=False)
-    assert r.status == "passed" and "forked 6" in r.output, r  # max_procs 8 = harness, worker thread and 6 children
-    r = run_tests("import os\nwhile True:\n    os.fork()", ["assert True"], FAST, mechanism=mech, guard=False)
+    # Contained: a PID namespace and RLIMIT_NPROC of the run's own uid (root) or user namespace.
+    r = run(SLEEPERS, ["assert True"], mech=mech, guard=False)
+    assert r.status == "passed" and "forked" in r.output and 4 <= int(r.output.split()[-1]) <= 6, r
+    r = run("import os\nwhile True:\n    os.fork()", ["assert True"], mech=mech, guard=False)
     assert r.status == "failed" and "BlockingIOError" in r.reason, r  # forks up to the cap, then fails
     spinning = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    small = SandboxLimits(cpu_s=1, wall_s=2, memory_mb=256, max_procs=4, max_file_mb=4)
-    r = run_tests(spinning, ["assert True"], small, mechanism=mech, guard=False)  # never ends on its own
-    assert r.status == "timeout", r
+    small = Limits(cpu_s=1, wall_s=2, memory_mb=256, max_procs=4, max_file_mb=4)
+    r = run(spinning, ["assert True"], small, mech=mech, guard=False)  # never ends on its own
+    assert r.status in ("timeout", "memory"), r
     assert subprocess.run(["true"]).returncode == 0  # this machine can still start processes
 
 
@@ -224,7 +344,9 @@ def test_a_fork_bomb_is_capped_by_the_os_layers_and_leaves_no_process(mech):
 @pytest.mark.parametrize("guard", [True, False])
 def test_writes_outside_the_sandbox_do_not_land(mech, guard, tmp_path):
     name = f"sao-escape-{uuid.uuid4().hex}"
-    targets = [Path("/root") / name, Path.home() / name, tmp_path / name, PROJECT / name, Path("/tmp") / name]
+    # With the interpreter under /root, /root exists inside too (made by the sandbox, read-only).
+    targets = [Path("/root") / name, Path.home() / name, tmp_path / name, PROJECT / name, Path("/tmp") / name,
+               Path(sys.base_prefix).parent / name, Path("/") / name]
     sol = dedent(f"""
         results = {{}}
         for path in {[str(t) for t in targets]!r}:
@@ -235,7 +357,7 @@ def test_writes_outside_the_sandbox_do_not_land(mech, guard, tmp_path):
                 results[path] = type(e).__name__
         print(results)
         """)
-    r = run_tests(sol, ["assert True"], FAST, mechanism=mech, guard=guard)
+    r = run(sol, ["assert True"], mech=mech, guard=guard)
     assert r.status == "passed", r
     assert not [t for t in targets if t.exists()]
     assert f"'/tmp/{name}': 'written'" in r.output  # /tmp inside is the sandbox's own directory
@@ -247,9 +369,9 @@ def test_the_project_and_the_host_are_not_readable(mech):
     tests = [f"open({str(PROJECT / 'pyproject.toml')!r}).read()", "open('/etc/passwd').read()",
              "import os\nassert not {'work', 'home', 'proc', 'var'} & set(os.listdir('/'))",
              "import os\nassert not os.path.exists('/proc/1')"]
-    r = run_tests("", tests, FAST, mechanism=mech)
+    r = run("", tests, mech=mech)
     assert (r.status, r.passed, r.total) == ("failed", 2, 4), r
-    assert r.output.count("FileNotFoundError") == 2
+    assert [t.error.split(":")[0] for t in r.tests[:2]] == ["FileNotFoundError"] * 2
 
 
 @pytest.fixture()
@@ -273,12 +395,12 @@ def _accepted(server) -> bool:
 @mechanisms
 def test_sockets_are_forbidden_and_the_network_unreachable(mech, listener):
     connect = f"import socket\nsocket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=1)"
-    guarded = run_tests("", [connect], FAST, mechanism=mech)
+    guarded = run("", [connect], mech=mech)
     assert guarded.status == "forbidden" and "network socket" in guarded.reason
-    bare = run_tests("", [connect], FAST, mechanism=mech, guard=False)  # the network namespace alone
-    assert bare.status == "failed" and ("ConnectionRefusedError" in bare.output or "Network is unreachable" in bare.output), bare
+    bare = run("", [connect], mech=mech, guard=False)  # the network namespace alone
+    assert bare.status == "failed" and ("ConnectionRefusedError" in bare.reason or "unreachable" in bare.reason), bare
     assert not _accepted(listener)
-    shared = run_tests("", [connect], SandboxLimits(wall_s=4, network=True), mechanism=mech)
+    shared = run("", [connect], Limits(wall_s=4, network=True), mech=mech)
     assert shared.status == "passed" and _accepted(listener)  # network=True really opens it
 
 
@@ -286,7 +408,7 @@ def test_sockets_are_forbidden_and_the_network_unreachable(mech, listener):
 def test_processes_are_forbidden_and_harmless_without_the_guard(mech):
     for attempt in ("import os\nos.system('true')", "import subprocess\nsubprocess.run(['true'])",
                     "import os\nos.execv('/bin/true', ['true'])"):
-        r = run_tests("", [attempt], FAST, mechanism=mech)
+        r = run("", [attempt], mech=mech)
         assert r.status == "forbidden", (attempt, r)
     name = f"sao-escape-{uuid.uuid4().hex}"
     sol = dedent(f"""
@@ -295,53 +417,80 @@ def test_processes_are_forbidden_and_harmless_without_the_guard(mech):
         subprocess.run(['sh', '-c', 'sleep 60 & touch /tmp/{name}'])
         ls = subprocess.run(['ls', '/'], capture_output=True, text=True)
         """)
-    tests = ["assert cat.returncode != 0", "assert 'work' not in ls.stdout.split()"]
-    r = run_tests(sol, tests, FAST, mechanism=mech, guard=False)
+    r = run(sol, ["assert cat.returncode != 0", "assert 'work' not in ls.stdout.split()"], mech=mech, guard=False)
     assert r.status == "passed", r
     assert not Path("/tmp", name).exists()  # and the autouse check: the backgrounded sleep is gone
 
 
 @mechanisms
-@pytest.mark.parametrize("guard", [True, False])
-def test_killing_the_parent_is_contained(mech, guard):
-    # The harness is pid 2; its parent is the namespace's pid 1 (root), not this process.
-    tests = ["import os, signal\nassert os.getppid() == 1\nos.kill(os.getppid(), signal.SIGKILL)",
-             "import os, signal\nos.kill(1, signal.SIGTERM)"]
-    r = run_tests("", tests, FAST, mechanism=mech, guard=guard)
-    assert (r.status, r.passed) == ("failed", 0), r
-    assert r.output.count("PermissionError") == 2
+def test_killing_the_parent_is_contained(mech):
+    # Its parent and pid 1 are inside its own namespace: a no-op (pid 1 ignores it) or the end of its own run.
+    tests = ["import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "import os, signal\nos.kill(1, signal.SIGKILL)",
+             "assert 1 + 1 == 3"]
+    r = run("", tests, mech=mech, guard=False)
+    assert r.status in ("failed", "crashed") and not r.tests[2].passed, r
     os.kill(os.getpid(), 0)  # the trainer (here: pytest) is alive
+
+
+@mechanisms
+def test_a_nested_module_name_does_not_get_past_the_import_guard(mech):
+    # Issue 9: the guard checked only the first part of a dotted name; `pkg._ctypes` loaded _ctypes.
+    nested = dedent("""
+        import importlib, os, sys, types, _socket
+        pkg = types.ModuleType('pkg')
+        pkg.__path__ = [os.path.dirname(_socket.__file__)]
+        sys.modules['pkg'] = pkg
+        loaded = importlib.import_module('pkg._ctypes')
+        """)
+    r = run(nested, ["assert True"], mech=mech)
+    assert r.status == "forbidden" and "importing pkg._ctypes" in r.reason, r
 
 
 # --- escape attempts: faking the verdict ----------------------------------------------------------
 
+def _forge(expr: str) -> str:
+    """Code that writes result records claiming a pass, on every descriptor, in every format seen so far."""
+    return dedent(f"""
+        import json, os
+        for fd in range(64):
+            for rec in (["test1", "ok", ""], ["test2", "ok", ""], ["test1", "value", {expr!r}],
+                        ["test2", "value", {expr!r}], ["run", "done", ""]):
+                for line in (json.dumps(rec) + "\\n", "0" * 32 + " " + " ".join(rec[:2]) + " \\n"):
+                    try:
+                        os.write(fd, line.encode())
+                    except OSError:
+                        pass
+        """)
+
+
 CHEATS = {
+    "forge records on every fd": _forge("True"),
+    "forge records after redirecting the results fd": dedent("""
+        import os, sys, socket
+        fd = int(sys.argv[3]); saved = os.dup(fd); r, w = os.pipe(); os.dup2(w, fd)
+        try:
+            socket.socket()
+        except PermissionError:
+            pass
+        os.dup2(saved, fd)
+        os.set_blocking(r, False)
+        try:
+            leaked = os.read(r, 4096)  # on main: the nonce that signed every record
+        except BlockingIOError:
+            leaked = b''
+        for line in (b'["test1", "ok", ""]\\n', b'["test2", "value", "True"]\\n', b'["run", "done", ""]\\n'):
+            os.write(fd, line)
+        """),
     "sys.exit in solution": "import sys\nsys.exit(0)",
-    "SystemExit in solution": "raise SystemExit(0)",
     "os._exit in solution": "import os\nos._exit(0)",
     "sys.exit in atexit": "import atexit, sys\natexit.register(sys.exit, 0)",
     "kill self": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
-    "silence print and exec": "import builtins\nbuiltins.print = lambda *a, **k: None\nbuiltins.exec = lambda *a, **k: None\n"
-                              "builtins.compile = lambda *a, **k: compile('pass', 'x', 'exec')",
+    "silence builtins": "import builtins\nbuiltins.repr = lambda *a: 'True'\nbuiltins.eval = lambda *a, **k: True\n"
+                        "builtins.exec = lambda *a, **k: None",
     "patch __main__": "import __main__\nfor k in list(vars(__main__)):\n    if k.startswith('_h_'):\n"
                       "        setattr(__main__, k, lambda *a, **k: ('ok', ''))\n_h_describe = lambda e: ('ok', '')",
     "fake output": "print('all 2 tests passed')\nprint('run done')\nimport sys\nsys.stderr.write('test1 ok \\ntest2 ok \\n')",
-    "forge records on every fd": dedent("""
-        import os
-        for fd in range(64):
-            for line in (b'test1 ok \\n', b'test2 ok \\n', b'run done \\n'):
-                try:
-                    os.write(fd, b'0' * 32 + b' ' + line)
-                except OSError:
-                    pass
-        """),
-    "read the nonce from stdin": "import sys, os\nleak = sys.stdin.read() + os.read(0, 100).decode()\nassert leak == ''",
-    "walk the stack": "import sys\nsys._getframe(1)",
-    "traceback frames": "try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    e.__traceback__.tb_frame.f_back.f_locals",
-    "walk the heap": "import gc\ngc.get_objects()",
-    "ctypes": "import ctypes",
-    "trace the harness": "import sys\nsys.settrace(lambda *a: None)",
-    "signal handler": "import signal\nsignal.signal(signal.SIGALRM, lambda *a: None)",
+    "read stdin": "import sys, os\nleak = sys.stdin.read() + os.read(0, 100).decode()\nassert leak == ''",
     "interrupt main": "import _thread, time\n_thread.interrupt_main()\ntime.sleep(0.2)",
 }
 
@@ -349,11 +498,62 @@ CHEATS = {
 @mechanisms
 @pytest.mark.parametrize("cheat", CHEATS, ids=list(CHEATS))
 def test_faking_a_pass_does_not_pass(mech, cheat):
-    """Each cheat runs before tests that fail honestly; the verdict must not be `passed`."""
-    r = run_tests(ADD + CHEATS[cheat], ["assert add(1, 2) == 4", "assert add(1, 1) == 3"], FAST, mechanism=mech)
+    """Each cheat runs before tests that fail honestly; the verdict must not be `passed`. Without the
+    guard: it protects no verdict (the first cheat is the attack that passed on main, guard and all)."""
+    guard = False
+    tests = ["assert add(1, 2) == 4", "assert add(1, 1) == 3"]
+    r = run(ADD + CHEATS[cheat], tests, mech=mech, guard=guard)
     assert r.status != "passed" and r.passed == 0, r
-    in_test = run_tests(ADD, [CHEATS[cheat] + "\nassert add(1, 2) == 4"], FAST, mechanism=mech)
-    assert in_test.status != "passed" and in_test.passed == 0, in_test
+    # In a test snippet the cheat makes that test sandbox-judged (its word; see the next test), but not the others.
+    in_test = run(ADD, [CHEATS[cheat] + "\nassert add(1, 2) == 4", tests[1]], mech=mech, guard=guard)
+    assert in_test.status != "passed" and in_test.tests[1].judge == "host" and not in_test.tests[1].passed, in_test
+
+
+@mechanisms
+def test_only_sandbox_judged_tests_take_the_sandbox_s_word(mech):
+    """The documented limit: a test the host cannot split (not `assert EXPR op LITERAL`) is judged inside,
+    so a forged record can pass it; its TestResult says so. Host-judged tests in the same run still fail."""
+    r = run(ADD + _forge("True"), ["x = add(1, 2)\nassert x == 4", "assert add(1, 1) == 3"], mech=mech)
+    assert [(t.judge, t.passed) for t in r.tests] == [("sandbox", True), ("host", False)] and r.status == "failed"
+
+
+INTROSPECT = dedent("""
+    import gc, json, os, sys
+    marker = str(918272 + 1)  # the expected value of test 1, spelled so that this source does not hold it
+    found = []
+    def scan(value):
+        text = value.decode('latin-1') if isinstance(value, bytes) else value
+        if isinstance(text, str) and text is not marker and marker in text:
+            found.append(text[:80])
+    for obj in gc.get_objects():
+        if isinstance(obj, dict):
+            for k, v in list(obj.items()):
+                scan(k), scan(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                scan(v)
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            for v in list(frame.f_locals.values()):
+                scan(v)
+            frame = frame.f_back
+    claim = found[0] if found else '0'
+    for fd in range(64):
+        try:
+            os.write(fd, (json.dumps(["test1", "value", claim]) + "\\n").encode())
+        except OSError:
+            pass
+    """)
+
+
+@mechanisms
+def test_introspection_finds_no_expected_value_to_copy(mech):
+    # Issue 9: frames and the gc reached the harness and its signing key. Now there is nothing to find:
+    # the expected value never enters the sandbox, so a forged record can only guess.
+    limits = Limits(cpu_s=4, wall_s=8, memory_mb=256, max_procs=8, max_file_mb=4)
+    r = run(ADD + INTROSPECT, ["assert add(1, 2) == 918273", "assert found == []"], limits, mech=mech, guard=False)
+    assert r.tests[0].passed is False and r.tests[0].got == "0", r  # the forged guess came first
+    assert r.tests[1].passed, r.tests[1]  # nothing in the sandbox's memory holds the expected value
 
 
 # --- concurrency --------------------------------------------------------------------------------
@@ -361,11 +561,12 @@ def test_faking_a_pass_does_not_pass(mech, cheat):
 @mechanisms
 def test_async_runs_overlap_and_each_gets_its_own_verdict(mech):
     async def main():
-        limits = SandboxLimits(cpu_s=1, wall_s=2, memory_mb=256, max_procs=8, max_file_mb=4)
-        jobs = [run_tests_async(ADD, ["assert add(1, 2) == 3"], limits, mechanism=mech),
-                run_tests_async(ADD, ["assert add(1, 2) == 4"], limits, mechanism=mech),
-                run_tests_async("import time\ntime.sleep(60)", ["assert True"], limits, mechanism=mech),
-                run_tests_async("import os\nos.fork()", ["assert True"], limits, mechanism=mech)]
+        limits = Limits(cpu_s=1, wall_s=2, memory_mb=256, max_procs=8, max_file_mb=4)
+        box = NamespaceSandbox(mech)
+        jobs = [box.run_async(ADD, ["assert add(1, 2) == 3"], limits),
+                box.run_async(ADD, ["assert add(1, 2) == 4"], limits),
+                box.run_async("import time\ntime.sleep(60)", ["assert True"], limits),
+                box.run_async("import os\nos.fork()", ["assert True"], limits)]
         start = time.monotonic()
         results = await asyncio.gather(*jobs)
         return results, time.monotonic() - start
@@ -374,3 +575,34 @@ def test_async_runs_overlap_and_each_gets_its_own_verdict(mech):
     assert [r.status for r in results] == ["passed", "failed", "timeout", "forbidden"]
     assert elapsed < 3.5  # concurrent: the 2 s timeout does not add up with the others
 
+
+# --- without root -------------------------------------------------------------------------------
+
+TEST_USER = "sao-sandbox-test"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or os.environ.get(AS_USER_ENV) == "1",
+                    reason="needs root to create the unprivileged user; runs once, from the root suite")
+def test_the_suite_passes_as_an_unprivileged_user():
+    """This file again, as a user created here, on the user-namespace path of every mechanism."""
+    try:
+        pwd.getpwnam(TEST_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", TEST_USER], check=True)
+    python = os.path.realpath(sys.executable)
+    # The interpreter may live under a directory others cannot enter (pyenv in /root here): in a mount
+    # namespace of this command only, lay a world-enterable tmpfs over that directory and bind the
+    # interpreter's tree back.
+    prep = ""
+    blocked = next((str(p) for p in reversed(Path(python).parents) if not os.stat(p).st_mode & 0o001), None)
+    if blocked:
+        keep = str(Path(blocked) / Path(python).relative_to(blocked).parts[0])
+        prep = (f"mkdir -p /tmp/.sao-keep && mount --bind {keep} /tmp/.sao-keep && "
+                f"mount -t tmpfs -o mode=0755,size=1m tmpfs {blocked} && mkdir -p {keep} && "
+                f"mount --bind /tmp/.sao-keep {keep} && ")
+    inner = (f"{prep}exec runuser -u {TEST_USER} -- env {AS_USER_ENV}=1 PYTHONPATH={PROJECT} HOME=/tmp "
+             f"{sys.executable} -m pytest -q -x -p no:cacheprovider {PROJECT / 'tests' / 'test_sandbox.py'}")
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", inner], cwd="/tmp",
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout

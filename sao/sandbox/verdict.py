@@ -1,0 +1,108 @@
+"""From what a run left (result records, exit status, the host's own events) to its Verdict.
+
+Every input here but the host's events (`wall`, `memory`, `results`) and the exit status comes from
+the sandboxed process and is treated as its claim: a record can only say what value a test
+expression had (judged on the host against a value it never saw) or report a failure against itself.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+from sao.sandbox import judge
+from sao.sandbox.protocol import TestResult, Verdict, one_line
+
+
+def parse_records(text: str) -> tuple[dict[str, tuple[str, str]], list[str], bool]:
+    """Per-step (kind, text) (the first record of a step counts), forbidden actions, and whether the run ended."""
+    steps, forbidden, done = {}, [], False
+    for line in text.split("\n"):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not (isinstance(record, list) and len(record) == 3 and all(isinstance(x, str) for x in record)):
+            continue
+        step, kind, body = record
+        if kind == "forbidden":
+            forbidden.append(body)
+        elif step == "run":
+            done = done or kind == "done"
+        else:
+            steps.setdefault(step, (kind, body))
+    return steps, forbidden, done
+
+
+def test_results(checks: list[judge.Check], steps: dict) -> tuple[TestResult, ...]:
+    out = []
+    for i, check in enumerate(checks):
+        kind, body = steps.get(f"test{i + 1}", ("missing", "not run"))
+        who = "host" if check.host_judged else "sandbox"
+        if check.host_judged and kind == "value":
+            ok, error = judge.judge(check, body)
+            out.append(TestResult(i + 1, ok, who, body[:200], error))
+        elif not check.host_judged and kind == "ok":
+            out.append(TestResult(i + 1, True, who))
+        else:
+            error = body if kind in ("fail", "memory", "missing") else "no value returned"
+            out.append(TestResult(i + 1, False, who, None, one_line(error)))
+    return tuple(out)
+
+
+def build_verdict(run, records: str, output: str, returncode: int | None, events: set, duration: float) -> Verdict:
+    steps, forbidden, done = parse_records(records)
+    tests = test_results(run.checks, steps)
+    status, reason = _classify(run, tests, steps, forbidden, done, returncode, events, output)
+    loaded = next((f"{name}: {one_line(steps[name][1])}" for name in ("setup", "solution")
+                   if steps.get(name, ("ok",))[0] != "ok"), "")
+    return Verdict(status, reason, tests, output, run.layers, round(duration, 3), loaded, vars(run.limits))
+
+
+def _classify(run, tests, steps, forbidden, done, returncode, events, output) -> tuple[str, str]:
+    lim, total = run.limits, len(run.checks)
+    sig = -returncode if returncode is not None and returncode < 0 else (
+        returncode - 128 if returncode is not None and returncode > 128 else 0)
+    expected = ["setup", "solution"] + [f"test{i + 1}" for i in range(total)]
+    missing = next((s for s in expected if s not in steps), None)
+    if forbidden:
+        return "forbidden", f"forbidden: {forbidden[0]}"
+    if "wall" in events:
+        return "timeout", f"wall-clock limit of {lim.wall_s:g} s exceeded" + _during(missing)
+    if sig == signal.SIGXCPU:
+        return "timeout", f"CPU time limit of {lim.cpu_s:g} s exceeded" + _during(missing)
+    memory_step = next((s for s in expected if steps.get(s, ("",))[0] == "memory"), None)
+    if "memory" in events or memory_step or (missing and "MemoryError" in output):
+        return "memory", f"memory limit of {lim.memory_mb} MB exceeded" + _during(memory_step or missing)
+    if "results" in events:
+        return "crashed", f"the program wrote more than {run_cap_mb()} MB of result records"
+    if sig == signal.SIGXFSZ:
+        return "crashed", f"file size limit of {lim.max_file_mb} MB exceeded (SIGXFSZ)" + _during(missing)
+    if steps.get("setup", ("ok",))[0] != "ok":
+        return "crashed", f"the setup code failed: {one_line(steps['setup'][1])}"
+    if missing or not done:
+        how = f"was killed by {signal.Signals(sig).name}" if sig in set(signal.Signals) else (
+            f"exited with code {returncode}")
+        hint = "" if missing is None or returncode else " (sys.exit/os._exit do not pass tests)"
+        first = output.strip().splitlines()[:1] if steps.get("setup") is None else []
+        return "crashed", f"the program {how} before reporting {_title(missing or 'its end')}{hint}" + (
+            f": {one_line(first[0])}" if first else "")
+    if steps["solution"][0] != "ok":
+        return "failed", f"the solution failed: {one_line(steps['solution'][1])}"
+    bad = [t for t in tests if not t.passed]
+    if not bad:
+        return "passed", f"all {total} tests passed"
+    return "failed", f"{len(bad)} of {total} tests failed; first: test {bad[0].index}: {bad[0].error}"
+
+
+def run_cap_mb() -> int:
+    from sao.sandbox.namespace import RESULTS_CAP
+    return RESULTS_CAP >> 20
+
+
+def _title(step: str) -> str:
+    return f"test {step[4:]}" if step.startswith("test") else step
+
+
+def _during(step: str | None) -> str:
+    return f" (during {_title(step)})" if step else ""
