@@ -230,6 +230,14 @@ def test_memory_spread_over_processes_counts_for_the_run(mech):
 
 
 @mechanisms
+@pytest.mark.skipif(namespace._cgroup_parents() is None, reason="no cgroup of ours here (root with cgroup v1/v2 only)")
+def test_a_cgroup_counts_the_tmpfs_and_every_process(mech):
+    fill = "for i in range(60):\n    open(f'/sandbox/f{i}', 'wb').write(b'x' * (3 << 20))\n"  # 180 MB of tmpfs pages
+    r = run(fill, ["assert True"], Limits(cpu_s=2, wall_s=8, memory_mb=64, max_procs=8, max_file_mb=64), mech=mech)
+    assert r.status == "memory" and "+cgroup" in r.mechanism, r
+
+
+@mechanisms
 def test_memfd_and_shared_memory_are_refused_or_counted(mech):
     probes = dedent("""
         import ctypes, mmap, os

@@ -14,8 +14,8 @@ which the harness builds the file tree and then gives up every capability. Where
 2. No privilege (the run's uid, or no capabilities), no_new_privs, and a seccomp filter
    (sao/sandbox/harness.py `_h_seccomp`): no memfd, SysV shared memory, new namespaces, mounts,
    ptrace. So every byte the run holds is in memory RLIMIT_AS counts, or in the capped tmpfs.
-3. Limits: cgroup v2 memory.max and pids.max when this process may create a cgroup (root on a
-   cgroup v2 host); always RLIMIT_AS/CPU/NPROC/FSIZE/NOFILE and a host-side watch that sums the
+3. Limits: a cgroup per run (v2 memory.max + pids.max, or v1 memory.limit_in_bytes + pids.max)
+   when this process may create one (root); always RLIMIT_AS/CPU/NPROC/FSIZE/NOFILE and a host-side watch that sums the
    resident memory (shared pages included) of every process of the run and kills it over
    `memory_mb`; the wall clock, by the host. Each exceeded limit is the verdict's reason.
 4. An audit hook (`guard`) that turns process creation, sockets and ctypes into a clear
@@ -201,10 +201,11 @@ class _Run:
                "root": self.dir, "ro": ro, "links": links, "devices": _DEVICES, "disk_mb": disk_mb}
         self.payload = json.dumps(job).encode()
         prefix = _bwrap_argv(ro, links, disk_mb, limits.network) if mechanism == "bwrap" else _unshare_argv(limits.network)
-        self.cgroup = _cgroup_for(limits)
-        join = ["sh", "-c", f'echo $$ > {self.cgroup}/cgroup.procs 2>/dev/null; exec "$@"', "sh"] if self.cgroup else []
+        self.cgroups = _cgroup_for(limits)  # joined by a shell that then becomes the mechanism: all of it is inside
+        joins = "".join(f"echo $$ > {d}/cgroup.procs; " for d in self.cgroups)
+        join = ["sh", "-c", joins + 'exec "$@"', "sh"] if self.cgroups else []
         self.layers = "+".join([mechanism, "uid" if mode() == "root" else "userns", "seccomp", "rlimits"]
-                               + (["cgroup"] if self.cgroup else []) + (["guard"] if guard else []))
+                               + (["cgroup"] if self.cgroups else []) + (["guard"] if guard else []))
         self.argv = join + prefix + [exe, "-I", "-S", "-B", "-u", "-c", _harness_source(), mechanism, mode()]
 
     async def execute(self) -> Verdict:
@@ -266,7 +267,7 @@ class _Run:
         for task in readers:
             task.cancel()
         transport.close()
-        if self.cgroup and _cgroup_oom(self.cgroup):
+        if _cgroup_oom(self.cgroups):
             events.add("memory")
         return build_verdict(self, records.decode("utf-8", "replace"), output.text(), proc.returncode, events,
                              time.monotonic() - start)
@@ -275,7 +276,7 @@ class _Run:
         """Sum the resident memory (shared pages included) of every process of the run; kill it over the limit."""
         cap = self.limits.memory_mb << 10  # KiB, as /proc reports
         while proc.returncode is None:
-            if _tree_rss_kib(proc.pid) > cap:
+            if _tree_rss_kib(proc.pid) > cap or _cgroup_oom(self.cgroups):
                 events.add("memory")
                 proc.kill()
                 return
@@ -283,15 +284,7 @@ class _Run:
 
     def _cleanup(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
-        if self.cgroup:
-            for _ in range(50):  # the kernel frees an emptied cgroup asynchronously
-                try:
-                    os.rmdir(self.cgroup)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.02)
+        _remove_cgroups(self.cgroups)
 
 
 class _Output:
@@ -336,51 +329,80 @@ def _tree_rss_kib(pid: int) -> int:
 
 
 @functools.cache
-def _cgroup_parent() -> str | None:
-    """A cgroup v2 directory we may create children in with memory and pids control, else None."""
-    if os.geteuid() != 0 or not os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+def _cgroup_parents() -> tuple[str, tuple[str, ...]] | None:
+    """Where this process may create per-run cgroups with memory and pids control, else None:
+    ("v2", (dir,)) or ("v1", (memory dir, pids dir)). Root only: that is who may write them."""
+    if os.geteuid() != 0:
         return None
     try:
-        own = next(line[3:].strip() for line in open("/proc/self/cgroup") if line.startswith("0::"))
-        parent = os.path.join("/sys/fs/cgroup", own.lstrip("/"))
-        with open(os.path.join(parent, "cgroup.subtree_control")) as f:
-            enabled = f.read().split()
-        if not {"memory", "pids"} <= set(enabled):
-            return None
-        test = os.path.join(parent, f"sao-sandbox-probe-{os.getpid()}")
-        os.mkdir(test)
-        os.rmdir(test)
-        return parent
-    except (OSError, StopIteration):
+        lines = [line.split(":", 2) for line in open("/proc/self/cgroup").read().splitlines()]
+        if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):  # unified hierarchy
+            parent = os.path.join("/sys/fs/cgroup", next(p for h, c, p in lines if h == "0").lstrip("/"))
+            with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                if not {"memory", "pids"} <= set(f.read().split()):
+                    return None
+            layout = ("v2", (parent,))
+        else:
+            layout = ("v1", tuple(os.path.join("/sys/fs/cgroup", ctrl, next(p for h, c, p in lines
+                                                                             if ctrl in c.split(",")).lstrip("/"))
+                                  for ctrl in ("memory", "pids")))
+        for parent in layout[1]:
+            probe_dir = os.path.join(parent, f"sao-sandbox-probe-{os.getpid()}")
+            os.mkdir(probe_dir)
+            os.rmdir(probe_dir)
+        return layout
+    except (OSError, StopIteration, ValueError):
         return None
 
 
-def _cgroup_for(limits: Limits) -> str | None:
-    parent = _cgroup_parent()
-    if parent is None:
-        return None
-    path = os.path.join(parent, f"sao-sandbox-{secrets.token_hex(6)}")
+def _cgroup_for(limits: Limits) -> tuple[str, ...]:
+    """This run's cgroups, limits written (empty when cgroups are not ours to use)."""
+    layout = _cgroup_parents()
+    if layout is None:
+        return ()
+    version, parents = layout
+    name, memory = f"sao-sandbox-{secrets.token_hex(6)}", limits.memory_mb << 20
+    dirs = tuple(os.path.join(p, name) for p in parents)
+    files = {"v2": [(dirs[0], "memory.max", memory), (dirs[0], "memory.swap.max", 0),
+                    (dirs[0], "pids.max", limits.max_procs + 2)],
+             "v1": [(dirs[0], "memory.limit_in_bytes", memory), (dirs[0], "memory.memsw.limit_in_bytes", memory),
+                    (dirs[1], "pids.max", limits.max_procs + 2)]}[version]
     try:
-        os.mkdir(path)
-        for name, value in (("memory.max", limits.memory_mb << 20), ("memory.swap.max", 0),
-                            ("pids.max", limits.max_procs + 2)):
-            with open(os.path.join(path, name), "w") as f:
-                f.write(str(value))
-        return path
+        for d in dirs:
+            os.mkdir(d)
+        for d, file, value in files:
+            if os.path.exists(os.path.join(d, file)):  # memsw/swap files exist only with swap accounting
+                with open(os.path.join(d, file), "w") as f:
+                    f.write(str(value))
+        return dirs
     except OSError:
-        try:
-            os.rmdir(path)
-        except OSError:
-            pass
-        return None
+        _remove_cgroups(dirs)
+        return ()
 
 
-def _cgroup_oom(path: str) -> bool:
-    try:
-        with open(os.path.join(path, "memory.events")) as f:
-            return any(line.split()[0] == "oom_kill" and int(line.split()[1]) > 0 for line in f)
-    except (OSError, ValueError, IndexError):
-        return False
+def _cgroup_oom(dirs: tuple[str, ...]) -> bool:
+    """Whether the kernel killed a process of the run for its memory limit."""
+    for d in dirs:
+        for file in ("memory.events", "memory.oom_control"):  # v2, v1
+            try:
+                with open(os.path.join(d, file)) as f:
+                    if any(line.split()[:1] == ["oom_kill"] and int(line.split()[1]) > 0 for line in f):
+                        return True
+            except (OSError, ValueError, IndexError):
+                continue
+    return False
+
+
+def _remove_cgroups(dirs: tuple[str, ...]) -> None:
+    for d in dirs:
+        for _ in range(100):  # the kernel empties a cgroup asynchronously after its processes die
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)
 
 
 @functools.cache
