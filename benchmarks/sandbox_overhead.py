@@ -1,6 +1,7 @@
 """Per-run overhead of the `code` sandbox: a trivial passing run, alone and 8 at once.
 
     flock /tmp/bench.lock python benchmarks/sandbox_overhead.py --label after [--runs 30] [--batches 8]
+    SAO_SANDBOX_MECHANISM=unshare ... --label after-unshare      # one mechanism (both versions read it)
 
 `--label before` measures the sandbox of a checkout older than `sao/sandbox/` (its
 `sao.envs.sandbox.run_tests`): run it with PYTHONPATH pointing at that checkout. Each label is
@@ -66,15 +67,17 @@ def main() -> None:
     parser.add_argument("--label", required=True, help="e.g. before / after")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--results", default=str(RESULTS), help="the JSON file to merge this label into")
     args = parser.parse_args()
+    results = Path(args.results)
     row = measure(args.runs, args.batches)
     row.update(euid=os.geteuid(), cpus=os.cpu_count(), python=platform.python_version(),
                load_avg_1m=round(os.getloadavg()[0], 2), commit=_commit(),
                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    table = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    table = json.loads(results.read_text()) if results.exists() else {}
     table[args.label] = row
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(table, indent=2) + "\n")
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(table, indent=2) + "\n")
     print(f"{'label':<24}{'mechanism':<34}{'single median s':>16}{'8 concurrent batch s':>22}{'load 1m':>9}")
     for label, r in table.items():
         print(f"{label:<24}{r['mechanism']:<34}{r['single_median_s']:>16.3f}{r['concurrent8_batch_median_s']:>22.3f}"

@@ -145,6 +145,9 @@ class CodeEpisode:
         for status in ("timeout", "memory", "forbidden", "crashed"):
             info[f"sandbox_{status}"] = float(result.status == status)
         info["syntax_error"] = float(result.status == "failed" and "SyntaxError" in result.reason)
+        # Tests not of the form `assert EXPR op LITERAL` (possible in JSONL files) are judged inside the
+        # sandbox, so their pass is the code's own word (sao/sandbox/judge.py): counted, so it shows.
+        info["tests_judged_in_sandbox"] = float(sum(t.judge == "sandbox" for t in result.tests))
         return StepResult("", reward, True, info)
 
 
