@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             return USAGE_ERROR
         raise
     except RuntimeError as exc:
-        if type(exc).__name__ not in ("ParityError", "StalledError"):
+        if type(exc).__name__ not in ("ParityError", "StalledError", "WorkerCrashLoop"):
             raise
         print(f"sao: error: {exc}", file=sys.stderr)
         return 1

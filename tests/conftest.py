@@ -25,3 +25,15 @@ def tiny(tiny_model_dir):
 
     torch.manual_seed(0)
     return load_model(tiny_model_dir), ChatCodec(load_tokenizer(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """One local Ray cluster for the whole test run (small object store); CLI runs join it with
+    runtime.ray_address, so each test pays for actors, not for starting Ray."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False,
+             logging_level="ERROR")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()

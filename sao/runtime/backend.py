@@ -14,6 +14,7 @@ the trainer, so they are global across workers and identical on every backend.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -40,7 +41,8 @@ class Backend(Protocol):
 def worker_specs(cfg: Config, model_path: str, limits) -> list[WorkerSpec]:
     """One spec per worker; each has its own sampling seed (a restart bumps it, see `reseed`)."""
     r = cfg.runtime
-    return [WorkerSpec(i, str(model_path), cfg.env.name, cfg.env.options, cfg.train.seed + 1 + 1000 * i, limits,
+    model_path = str(Path(model_path).resolve())  # a Ray worker does not share the trainer's working directory
+    return [WorkerSpec(i, model_path, cfg.env.name, cfg.env.options, cfg.train.seed + 1 + 1000 * i, limits,
                        cfg.rollout.concurrency, r.rollout_threads, cfg.engine) for i in range(r.rollout_workers)]
 
 

@@ -21,6 +21,11 @@ from pathlib import Path
 from sao.types import Assignment, Finished, Record, Status, Task, Trajectory, WorkerLost, WorkerStats
 
 ENGINE_RERUNS = 3  # an episode the engine failed is run again this many times before it counts as failed
+START_FAILURES = 3  # a worker that dies this many times in a row before reporting anything stops the run
+
+
+class WorkerCrashLoop(RuntimeError):
+    """A rollout worker keeps dying before it reports anything (e.g. it cannot load the model)."""
 
 
 class TaskStream:
@@ -75,6 +80,7 @@ class Scheduler:
         self.lost = 0
         self.engine_reruns: dict[str, int] = {}
         self.cold: set[int] = set()  # restarted workers that have not reported yet (they load for seconds)
+        self.start_failures: dict[int, int] = {}
 
     def room(self) -> int:
         return (self.consumed + self.max_lag + 1) * self.batch_size - (self.issued - self.refunded)
@@ -123,6 +129,11 @@ class Scheduler:
                 self.stats[rec.worker] = rec
             elif isinstance(rec, WorkerLost):
                 self.lost += 1
+                failures = self.start_failures.get(rec.worker, 0) + 1 if rec.worker in self.cold else 1
+                self.start_failures[rec.worker] = failures
+                if failures >= START_FAILURES:
+                    raise WorkerCrashLoop(f"rollout worker {rec.worker} died {failures} times in a row before "
+                                          f"reporting anything; last: {rec.reason}")
                 self.cold.add(rec.worker)
                 lost = sorted((a for w, a in self.outstanding.values() if w == rec.worker), key=lambda a: a.id)
                 for a in lost:

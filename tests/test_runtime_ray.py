@@ -1,0 +1,47 @@
+"""The ray backend on the real CLI: same Trajectory contract, metrics, results and audit as local;
+a SIGKILLed worker actor is replaced and its episodes run again."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from test_runtime_faults import TINY, _popen, _rows, _wait_for_step, audit_of
+from test_smoke_train import REQUIRED
+
+
+def _actor_pids():
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "ray::RolloutActor" in line]
+
+
+def test_train_on_the_ray_backend(tmp_path, ray_address):
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *TINY, "train.steps=4", "eval.every=2",
+                           "runtime.backend=ray", f"runtime.ray_address={ray_address}", "runtime.rollout_workers=2",
+                           "output.name=ray", "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "ray"
+    steps = [r for r in _rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert not [k for k in REQUIRED if k not in set().union(*steps)]
+    assert [r["step"] for r in _rows(run) if "eval/accuracy" in r] == [0, 2, 4]
+    assert all(r["async/lag_max"] <= 1 for r in steps)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    audit_of(run)
+    assert not _actor_pids()  # the run's actors are gone; the shared cluster stays up
+
+
+def test_a_killed_ray_worker_is_replaced_and_its_episodes_run_again(tmp_path, ray_address):
+    run = tmp_path / "runs" / "rw"
+    proc = _popen([*TINY, "train.steps=12", "runtime.backend=ray", f"runtime.ray_address={ray_address}",
+                   "runtime.rollout_workers=2", "output.name=rw"], tmp_path)
+    _wait_for_step(proc, run, 1)
+    os.kill(_actor_pids()[0], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    rows = [r for r in _rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, 13)) and rows[-1]["async/worker_restarts_total"] >= 1
+    events, _ = audit_of(run)
+    lost = {e["id"] for e in events if e["event"] == "lost"}
+    assert lost and lost <= {e["id"] for e in events if e["event"] == "finished"}
