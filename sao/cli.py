@@ -7,6 +7,7 @@
     sao pretrain-critic [CONFIG.yaml] [key=value ...] --out DIR   value pretraining (cold start)
     sao report RUN                                    PNG plots of a run's curves into RUN/plots/
     sao config [PREFIX]                               every config key: type, default, description
+    sao bench EXPERIMENT [--quick] [--out DIR] [key=value ...]   variants side by side (benchmarks/experiments/)
 
 Bad input (unknown key, bad value, missing file) prints one line naming it and exits with code 2,
 before anything is written.
@@ -161,6 +162,13 @@ def cmd_report(ns) -> int:
     return 0
 
 
+def cmd_bench(ns) -> int:
+    from sao.bench.run import bench
+
+    bench(ns.experiment, quick=ns.quick, out=ns.out, runs_root=ns.runs, extra=ns.args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sao", description="Single-rollout Asynchronous Optimization for LLM agents",
@@ -196,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="write PNG plots of a run's metrics into RUN/plots/")
     p.add_argument("run")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("bench", help="run an experiment's variants side by side: results.json, results.md, curves.png",
+                       epilog="experiments: benchmarks/experiments/*.yaml (stability, wallclock, ablation, online) "
+                              "or your own YAML file; key=value overrides apply to every variant")
+    p.add_argument("experiment", help="name under benchmarks/experiments/ or a .yaml file")
+    p.add_argument("args", nargs="*", help="dotted overrides applied to every variant")
+    p.add_argument("--quick", action="store_true", help="the experiment's quick preset (minutes)")
+    p.add_argument("--out", help="results folder (default: benchmarks/results/EXPERIMENT/PRESET)")
+    p.add_argument("--runs", help="folder for the run directories (default: runs/bench/EXPERIMENT-PRESET-TIME)")
+    p.set_defaults(fn=cmd_bench)
     return parser
 
 

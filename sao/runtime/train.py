@@ -172,11 +172,13 @@ class Trainer:
 
     def evaluate(self, step: int) -> float:
         torch.set_num_threads(max(self.cfg.runtime.trainer_threads, self.cfg.runtime.rollout_threads))
+        t0 = time.perf_counter()
         res = evaluate(self.actor, self.codec, self.environment, self.eval_tasks, self.limits,
                        greedy=self.cfg.eval.greedy, seed=self.cfg.train.seed, version=self.learner.actor_version,
                        trainer_step=step)
         torch.set_num_threads(self.cfg.runtime.trainer_threads)
-        row = {"eval/accuracy": res.accuracy, **{f"eval/{k}": v for k, v in res.metrics.items()}}
+        row = {"eval/accuracy": res.accuracy, **{f"eval/{k}": v for k, v in res.metrics.items()},
+               "eval/wall_s": time.perf_counter() - t0}  # lets `sao bench` take evaluations out of wall-clock
         self.run.log(step, row)
         self.run.write_trajectories(step, res.trajectories[: self.cfg.output.trajectories_per_dump],
                                     self.codec.decode, prefix="eval_step")

@@ -1,0 +1,125 @@
+"""What a benchmark reads out of each run's metrics.jsonl: curves, collapse, time to target, recovery.
+
+Wall-clock here is the training loop's own: `perf/wall_s` minus the held-out evaluations done so far
+(`eval/wall_s`), which every variant pays the same way and which are bench overhead, not training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+CURVES = {  # results.json name -> metrics.jsonl key (per training step)
+    "reward": "reward/mean",
+    "dis_masked": None,  # low + high side, computed
+    "ppo_clipfrac": "ppo/clipfrac",
+    "explained_variance": "critic/explained_variance",
+    "lag": "async/lag_mean",
+    "entropy": "actor/entropy",
+    "loss": "loss/policy",
+}
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def load_run(run_dir: Path) -> dict:
+    """Per-step curves and the held-out evaluations of one run (empty lists when it never started)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    steps = [r for r in rows if "reward/mean" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    eval_wall = {r["step"]: r.get("eval/wall_s", 0.0) for r in evals}
+
+    def train_wall(row: dict) -> float:  # wall at the end of this step, evaluations before it taken out
+        return row.get("perf/wall_s", 0.0) - sum(w for s, w in eval_wall.items() if 0 < s < row["step"])
+
+    run: dict = {"step": [r["step"] for r in steps], "wall_s": [round(train_wall(r), 3) for r in steps]}
+    for name, key in CURVES.items():
+        if key is None:
+            run[name] = [(r.get("dis/masked_low_frac") or 0.0) + (r.get("dis/masked_high_frac") or 0.0)
+                         if "dis/masked_low_frac" in r else None for r in steps]
+        else:
+            run[name] = [r.get(key) for r in steps]
+    wall_at = dict(zip(run["step"], run["wall_s"]))
+    run["eval_step"] = [r["step"] for r in evals]
+    run["eval_accuracy"] = [r["eval/accuracy"] for r in evals]
+    run["eval_wall_s"] = [0.0 if r["step"] == 0 else wall_at.get(r["step"], None) for r in evals]
+    run["eval_rows"] = evals
+    last = steps[-1] if steps else {}
+    run["gen_total_s"], run["train_total_s"] = last.get("perf/gen_total_s"), last.get("perf/train_total_s")
+    # a policy loss logged as null/NaN/inf (a critic warm-up step logs none), or a step the trainer
+    # counted as skipped for a non-finite loss or gradient
+    run["nonfinite"] = [r["step"] for r in steps if ("loss/policy" in r and not _finite(r["loss/policy"])) or any(
+        ("nonfinite" in k or "skipped" in k) and _finite(v) and v > 0 for k, v in r.items())]
+    return run
+
+
+def collapse(run: dict, drop: float = 0.5, min_best: float = 0.1, entropy_frac: float = 0.1) -> tuple[int | None, str]:
+    """(step, reason) of the first collapse, or (None, ""). Three signs:
+    - a non-finite loss (or a step the trainer skipped as non-finite);
+    - held-out accuracy more than `drop` below its best so far (best >= min_best) at an evaluation and
+      at every later one, at least two evaluations in a row (one bad evaluation is noise);
+    - entropy below `entropy_frac` of its first value and staying there to the end."""
+    signs = []
+    if run["nonfinite"]:
+        signs.append((min(run["nonfinite"]), "non-finite loss"))
+    accs, best = run["eval_accuracy"], 0.0
+    for i, a in enumerate(accs):
+        best = max(best, a)
+        floor = (1 - drop) * best
+        rest = accs[i:]
+        if best >= min_best and len(rest) >= 2 and all(x < floor for x in rest):
+            signs.append((run["eval_step"][i], f"held-out accuracy {a:.2f} < {1 - drop:.0%} of its best {best:.2f}"))
+            break
+    ent = [(s, e) for s, e in zip(run["step"], run["entropy"]) if _finite(e)]
+    if ent:
+        floor = entropy_frac * ent[0][1]
+        for i, (s, e) in enumerate(ent):
+            if e < floor and all(x < floor for _, x in ent[i:]):
+                signs.append((s, f"entropy {e:.3f} < {entropy_frac:.0%} of its start {ent[0][1]:.3f}"))
+                break
+    return min(signs) if signs else (None, "")
+
+
+def time_to_target(run: dict, target: float) -> tuple[float | None, int | None]:
+    """Training wall-clock and step of the first evaluation at or above `target` (None, None if never)."""
+    for s, w, a in zip(run["eval_step"], run["eval_wall_s"], run["eval_accuracy"]):
+        if a >= target and w is not None:
+            return w, s
+    return None, None
+
+
+def accuracy_at(run: dict, wall_s: float) -> float | None:
+    """Held-out accuracy of the last evaluation done within `wall_s` of training."""
+    got = [a for w, a in zip(run["eval_wall_s"], run["eval_accuracy"]) if w is not None and w <= wall_s + 1e-9]
+    return got[-1] if got else None
+
+
+def moving_average(xs: list[float], w: int) -> list[float]:
+    return [sum(xs[max(0, i - w + 1): i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(xs))]
+
+
+def recovery(steps: list[int], rewards: list[float], starts: list[int], recover_at: float = 0.8,
+             window: int = 10) -> list[int | None]:
+    """Per switch (phase k >= 1): steps from the switch until the mean reward of the last `window`
+    steps *of the new phase* first reaches `recover_at` (None: not within the phase). Same rule as
+    benchmarks/style_shift.py."""
+    bounds = starts + [math.inf]
+    out = []
+    for k in range(1, len(starts)):
+        phase = [(s, r) for s, r in zip(steps, rewards) if bounds[k] <= s < bounds[k + 1] and r is not None]
+        hit = None
+        for i in range(window - 1, len(phase)):
+            if sum(r for _, r in phase[i - window + 1: i + 1]) / window >= recover_at:
+                hit = phase[i][0] - starts[k]
+                break
+        out.append(hit)
+    return out
+
+
+def mean(xs: list) -> float | None:
+    xs = [x for x in xs if _finite(x)]
+    return sum(xs) / len(xs) if xs else None

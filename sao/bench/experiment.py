@@ -1,0 +1,170 @@
+"""Experiment files (benchmarks/experiments/*.yaml) and running their variants.
+
+    description: what the experiment shows
+    config: examples/configs/style_shift.yaml    # optional recipe every variant starts from
+    overrides: [train.steps=300, eval.every=25]   # the shared budget and settings (dotted keys)
+    seeds: [0, 1, 2]
+    budget_s: 600                                 # optional wall-clock budget per run (SIGTERM, then stop)
+    variants:                                     # name -> its own overrides
+      sao: [algo.name=sao]
+      grpo: [algo.name=grpo, algo.group_size=4]
+    analysis: {collapse: {...}, target_accuracy: 0.6, overlap: [[sao, sao_sync]], recovery: {...}}
+    quick: {overrides: [...], seeds: [0]}         # the `--quick` preset: applied on top
+
+Every variant runs as its own `sao train` process (a fresh interpreter, so no state leaks from one
+run into the next), one after another: on a small machine side-by-side runs would steal each
+other's cores and the wall-clock figures would measure the contention.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sao.config import ConfigError
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "experiments"
+
+
+class Preset(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    overrides: list[str] = Field(default_factory=list, description="dotted overrides on top of the experiment's")
+    seeds: list[int] | None = Field(None, description="seeds of this preset (default: the experiment's)")
+    budget_s: float | None = Field(None, gt=0, description="wall-clock budget per run of this preset")
+
+
+class Experiment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = ""
+    description: str = Field("", description="what the experiment shows")
+    config: str | None = Field(None, description="a recipe file every variant starts from")
+    overrides: list[str] = Field(default_factory=list, description="shared settings and budget (dotted keys)")
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, description="train.seed of each repeat")
+    budget_s: float | None = Field(None, gt=0, description="optional wall-clock budget per run (then SIGTERM)")
+    variants: dict[str, list[str]] = Field(min_length=1, description="variant name -> its overrides")
+    analysis: dict[str, Any] = Field(default_factory=dict, description="collapse, target_accuracy, overlap, recovery")
+    quick: Preset = Field(default_factory=Preset, description="the --quick preset")
+
+    def preset(self, quick: bool) -> Experiment:
+        """The experiment with the --quick preset applied (or as is)."""
+        if not quick:
+            return self
+        return self.model_copy(update={
+            "overrides": self.overrides + self.quick.overrides,
+            "seeds": self.quick.seeds or self.seeds,
+            "budget_s": self.quick.budget_s or self.budget_s,
+        })
+
+
+def find_experiment(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise ConfigError(f"experiment file {str(p)!r}: not found")
+        return p
+    p = EXPERIMENTS_DIR / f"{name_or_path}.yaml"
+    if not p.is_file():
+        known = ", ".join(sorted(x.stem for x in EXPERIMENTS_DIR.glob("*.yaml")))
+        raise ConfigError(f"experiment {name_or_path!r}: unknown (known: {known}; or give a .yaml file)")
+    return p
+
+
+def load_experiment(name_or_path: str) -> Experiment:
+    path = find_experiment(name_or_path)
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        raise ConfigError(f"experiment file {str(path)!r}: invalid YAML") from None
+    try:
+        exp = Experiment(**{"name": path.stem, **tree})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        raise ConfigError(f"experiment file {str(path)!r}: {loc}: {msg}") from None
+    if exp.config and not Path(exp.config).is_file():
+        raise ConfigError(f"experiment file {str(path)!r}: config: {exp.config!r} not found")
+    return exp
+
+
+def train_args(exp: Experiment, variant: str, seed: int, runs_root: Path, extra: list[str]) -> list[str]:
+    """The `sao train` arguments of one run (also what results.json records as its command)."""
+    merged: dict[str, str] = {}  # later settings win, as in `sao train`; each key written once
+    for item in [*exp.overrides, *exp.variants[variant], *extra, f"train.seed={seed}", f"output.root={runs_root}",
+                 f"output.name={variant}-s{seed}"]:
+        key = item.partition("=")[0]
+        merged.pop(key, None)
+        merged[key] = item
+    return ([exp.config] if exp.config else []) + list(merged.values())
+
+
+def check_runs(exp: Experiment, extra: list[str]) -> None:
+    """Every variant's config is valid, before the first run starts (a typo fails in seconds)."""
+    from sao.config import load_config
+    from sao.runtime.preflight import check_algorithm, check_runtime
+
+    for variant in exp.variants:
+        overrides = [a for a in train_args(exp, variant, 0, Path("."), extra) if "=" in a]
+        try:
+            cfg = load_config(exp.config, overrides)
+            check_runtime(cfg)
+            check_algorithm(cfg)
+        except (ConfigError, ValueError) as exc:
+            raise ConfigError(f"variant {variant!r}: {exc}") from None
+
+
+def _progress_line(run_dir: Path, total: int) -> str:
+    path = run_dir / "metrics.jsonl"
+    step, reward, acc = 0, None, None
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written
+            if "reward/mean" in row:
+                step, reward = row["step"], row["reward/mean"]
+            if "eval/accuracy" in row:
+                acc = row["eval/accuracy"]
+    parts = [f"step {step}/{total}"]
+    if reward is not None:
+        parts.append(f"reward {reward:.2f}")
+    if acc is not None:
+        parts.append(f"held-out {acc:.2f}")
+    return ", ".join(parts)
+
+
+def run_variant(exp: Experiment, variant: str, seed: int, runs_root: Path, extra: list[str], total_steps: int,
+                label: str, log=print) -> dict:
+    """One `sao train` process; progress every few seconds; SIGTERM at the wall-clock budget."""
+    args = train_args(exp, variant, seed, runs_root, extra)
+    run_dir = runs_root / f"{variant}-s{seed}"
+    runs_root.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.time()
+    with open(runs_root / f"{variant}-s{seed}.log", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "sao.cli", "train", *args, "--quiet"], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)
+        last, stopped = 0.0, False
+        while proc.poll() is None:
+            time.sleep(1.0)
+            now = time.time()
+            if exp.budget_s and not stopped and now - t0 > exp.budget_s:
+                proc.send_signal(signal.SIGTERM)  # stops at the next step boundary, writes a checkpoint
+                stopped = True
+            if now - last >= 10:
+                last = now
+                log(f"{label} {variant} seed {seed}: {_progress_line(run_dir, total_steps)} ({now - t0:.0f}s)")
+    tail = (runs_root / f"{variant}-s{seed}.log").read_text().strip().splitlines()[-1:]
+    return {"variant": variant, "seed": seed, "run_dir": str(run_dir), "returncode": proc.returncode,
+            "budget_stopped": stopped, "process_s": time.time() - t0, "command": "sao train " + " ".join(args),
+            "last_line": tail[0] if tail else ""}

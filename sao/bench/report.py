@@ -1,0 +1,152 @@
+"""Summaries of a benchmark: results.json, a Markdown table and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sao.bench.analysis import accuracy_at, collapse, mean, moving_average, recovery, time_to_target
+
+
+def _r(x, nd=4):
+    return None if x is None else round(float(x), nd)
+
+
+def summarize_run(run: dict, analysis: dict, starts: list[int] | None) -> dict:
+    c = analysis.get("collapse", {})
+    step, reason = collapse(run, c.get("drop", 0.5), c.get("min_best", 0.1), c.get("entropy_frac", 0.1))
+    accs = run["eval_accuracy"]
+    out = {
+        "steps_done": run["step"][-1] if run["step"] else 0,
+        "train_wall_s": _r(run["wall_s"][-1] if run["wall_s"] else None, 1),
+        "start_accuracy": _r(accs[0]) if accs else None,
+        "final_accuracy": _r(accs[-1]) if accs else None,
+        "best_accuracy": _r(max(accs)) if accs else None,
+        "collapse_step": step, "collapse_reason": reason,
+        "dis_masked_mean": _r(mean(run["dis_masked"]), 5),
+        "ppo_clipfrac_mean": _r(mean(run["ppo_clipfrac"]), 5),
+        "explained_variance_mean": _r(mean(run["explained_variance"])),
+        "lag_mean": _r(mean(run["lag"]), 3),
+        "entropy_last": _r(run["entropy"][-1] if run["entropy"] else None),
+        "gen_total_s": _r(run["gen_total_s"], 1), "train_total_s": _r(run["train_total_s"], 1),
+    }
+    if "target_accuracy" in analysis:
+        wall, s = time_to_target(run, analysis["target_accuracy"])
+        out.update(time_to_target_s=_r(wall, 1), steps_to_target=s)
+    if starts and "recovery" in analysis:
+        rc = analysis["recovery"]
+        out["recovery_steps"] = recovery(run["step"], run["reward"], starts, rc.get("recover_at", 0.8),
+                                         rc.get("window", 10))
+    return out
+
+
+def summarize(exp, runs: dict[str, dict[int, dict]], infos: list[dict], starts: list[int] | None,
+              preset: str) -> dict:
+    """results.json: per variant its per-seed figures and their means, plus experiment-level figures."""
+    variants = {}
+    for name, by_seed in runs.items():
+        per_seed = {seed: summarize_run(run, exp.analysis, starts) for seed, run in by_seed.items()}
+        variants[name] = {"per_seed": per_seed, "final_accuracy_mean": _r(mean([s["final_accuracy"] for s in per_seed.values()])),
+                          "collapse_steps": [s["collapse_step"] for s in per_seed.values()]}
+    extra: dict = {}
+    walls = [s["train_wall_s"] for v in variants.values() for s in v["per_seed"].values() if s["train_wall_s"]]
+    if "target_accuracy" in exp.analysis and walls:
+        equal = min(walls)  # accuracy when the fastest-finishing run's training time is spent
+        extra["equal_wall_s"] = equal
+        extra["accuracy_at_equal_wall"] = {n: _r(mean([accuracy_at(runs[n][s], equal) for s in runs[n]]))
+                                           for n in runs}
+    for a, s in exp.analysis.get("overlap", []):  # async wall / max(gen-only, train-only) of its sync twin
+        if a in variants and s in variants:
+            ratios = []
+            for seed in variants[a]["per_seed"]:
+                sa, ss = variants[a]["per_seed"][seed], variants[s]["per_seed"].get(seed, {})
+                if sa.get("train_wall_s") and ss.get("gen_total_s") and ss.get("train_total_s"):
+                    ratios.append({"seed": seed, "async_s": sa["train_wall_s"], "gen_only_s": ss["gen_total_s"],
+                                   "train_only_s": ss["train_total_s"],
+                                   "async_over_max": _r(sa["train_wall_s"] / max(ss["gen_total_s"], ss["train_total_s"]), 3),
+                                   "async_over_sum": _r(sa["train_wall_s"] / (ss["gen_total_s"] + ss["train_total_s"]), 3)})
+            extra.setdefault("overlap", {})[f"{a} vs {s}"] = ratios
+    return {"experiment": exp.name, "preset": preset, "description": exp.description, "seeds": exp.seeds,
+            "overrides": exp.overrides, "config": exp.config, "analysis": exp.analysis, "phase_starts": starts,
+            "variants": variants, **extra, "runs": infos}
+
+
+def _fmt(x, pct=False):
+    if x is None:
+        return "-"
+    return f"{100 * x:.2f}%" if pct else (f"{x:.3f}" if isinstance(x, float) else str(x))
+
+
+def markdown(res: dict) -> str:
+    has_target = "target_accuracy" in res["analysis"]
+    has_rec = res["phase_starts"] and "recovery" in res["analysis"]
+    head = ["variant", "held-out start -> final (per seed)", "best", "collapse step", "train wall s",
+            "DIS masked", "PPO clipfrac", "expl. var.", "lag"]
+    if has_target:
+        head.append(f"wall s to {res['analysis']['target_accuracy']}")
+    if has_rec:
+        head.append("recovery steps per switch (per seed)")
+    lines = [f"# {res['experiment']} ({res['preset']} preset)", "", res["description"].strip(), "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, v in res["variants"].items():
+        ps = v["per_seed"].values()
+        row = [f"`{name}`", "; ".join(f"{_fmt(s['start_accuracy'])} -> {_fmt(s['final_accuracy'])}" for s in ps),
+               "; ".join(_fmt(s["best_accuracy"]) for s in ps),
+               "; ".join(f"{s['collapse_step']} ({s['collapse_reason']})" if s["collapse_step"] else "none" for s in ps),
+               "; ".join(_fmt(s["train_wall_s"]) for s in ps), "; ".join(_fmt(s["dis_masked_mean"], True) for s in ps),
+               "; ".join(_fmt(s["ppo_clipfrac_mean"], True) for s in ps),
+               "; ".join(_fmt(s["explained_variance_mean"]) for s in ps), "; ".join(_fmt(s["lag_mean"]) for s in ps)]
+        if has_target:
+            row.append("; ".join(f"{_fmt(s['time_to_target_s'])} (step {s['steps_to_target']})"
+                                 if s["time_to_target_s"] is not None else "not reached" for s in ps))
+        if has_rec:
+            row.append("; ".join(str(s["recovery_steps"]) for s in ps))
+        lines.append("| " + " | ".join(row) + " |")
+    if "accuracy_at_equal_wall" in res:
+        lines += ["", f"Held-out accuracy at equal training wall-clock ({res['equal_wall_s']:.0f} s): " + ", ".join(
+            f"`{n}` {_fmt(a)}" for n, a in res["accuracy_at_equal_wall"].items())]
+    for pair, ratios in res.get("overlap", {}).items():
+        lines += ["", f"Overlap ({pair}): " + "; ".join(
+            f"seed {r['seed']}: async {r['async_s']:.0f} s / max(gen-only {r['gen_only_s']:.0f} s, train-only "
+            f"{r['train_only_s']:.0f} s) = {r['async_over_max']} (1.0 is the physical limit; gen+train gives "
+            f"{r['async_over_sum']} of the sum)" for r in ratios)]
+    lines += ["", "Commands (run from the repository root):", ""]
+    lines += [f"    {r['command']}" for r in res["runs"]]
+    return "\n".join(lines) + "\n"
+
+
+PANELS = [("reward", "step", "train reward (10-step avg)"), ("reward", "wall_s", "train reward vs training wall-clock (s)"),
+          ("eval_accuracy", "eval_step", "held-out accuracy"), ("dis_masked", "step", "DIS masked fraction (PPO: clipfrac)"),
+          ("explained_variance", "step", "critic explained variance"), ("lag", "step", "lag (policy versions)"),
+          ("entropy", "step", "policy entropy"), ("eval_accuracy", "eval_wall_s", "held-out accuracy vs wall-clock (s)")]
+
+
+def plot(res: dict, runs: dict[str, dict[int, dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    for ax, (key, xkey, title) in zip(axes.flat, PANELS):
+        for c, (name, by_seed) in enumerate(runs.items()):
+            for i, run in enumerate(by_seed.values()):
+                ys = run["ppo_clipfrac"] if key == "dis_masked" and run["dis_masked"] and run["dis_masked"][-1] is None \
+                    else run[key]
+                pts = [(x, y) for x, y in zip(run[xkey], ys) if x is not None and y is not None]
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                if key == "reward":
+                    ys = moving_average(list(ys), 10)
+                ax.plot(xs, ys, color=f"C{c}", lw=1, alpha=0.8, marker="o" if key == "eval_accuracy" else None,
+                        ms=2, label=name if i == 0 else None)
+        for s in (res["phase_starts"] or [])[1:]:
+            if xkey in ("step", "eval_step"):
+                ax.axvline(s, color="grey", lw=0.8, ls="--")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{res['experiment']} ({res['preset']} preset, seeds {res['seeds']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)

@@ -1,0 +1,91 @@
+"""`sao bench`: the collapse detector, time to target and recovery by hand, a bad experiment refused
+with one line, and one quick preset run end to end (every file it promises)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from sao.bench.analysis import accuracy_at, collapse, recovery, time_to_target
+from sao.bench.experiment import load_experiment, train_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(evals, entropy=None, loss=None, n=10):
+    steps = list(range(1, n + 1))
+    return {"step": steps, "wall_s": [10.0 * s for s in steps], "entropy": entropy or [1.0] * n,
+            "loss": loss or [0.1] * n, "eval_step": [s for s, _ in evals], "eval_accuracy": [a for _, a in evals],
+            "eval_wall_s": [10.0 * s for s, _ in evals],
+            "nonfinite": [s for s, x in zip(steps, loss or [0.1] * n) if not math.isfinite(x)]}
+
+
+def test_collapse_detector():
+    # best 0.6 at step 4; 0.2 at step 6 is < 50% of it and every later evaluation stays below 0.3
+    assert collapse(_run([(0, 0.3), (2, 0.5), (4, 0.6), (6, 0.2), (8, 0.1), (10, 0.25)]))[0] == 6
+    # one bad evaluation that recovers is noise, not a collapse
+    assert collapse(_run([(0, 0.3), (4, 0.6), (6, 0.2), (8, 0.5), (10, 0.55)])) == (None, "")
+    # a single low final evaluation cannot show that it stays
+    assert collapse(_run([(0, 0.3), (4, 0.6), (10, 0.1)])) == (None, "")
+    # entropy under 10% of its start (1.0) from step 7 on; a non-finite loss at step 9 comes later
+    ent = [1.0, 0.9, 0.8, 0.5, 0.3, 0.2, 0.05, 0.04, 0.03, 0.02]
+    loss = [0.1] * 8 + [float("nan"), 0.1]
+    step, reason = collapse(_run([(0, 0.3), (10, 0.3)], entropy=ent, loss=loss))
+    assert step == 7 and reason.startswith("entropy")
+    assert collapse(_run([(0, 0.3), (10, 0.3)], loss=loss))[0] == 9
+
+
+def test_time_to_target_accuracy_at_and_recovery():
+    run = _run([(0, 0.3), (4, 0.55), (6, 0.62), (10, 0.7)])
+    assert time_to_target(run, 0.6) == (60.0, 6) and time_to_target(run, 0.9) == (None, None)
+    assert accuracy_at(run, 50.0) == 0.55
+    steps = list(range(0, 30))
+    rewards = [1.0] * 10 + [0.0] * 5 + [1.0] * 15  # switch at 10: new phase rewards 1 from step 15
+    # window 3: the mean of the new phase's last 3 rewards first reaches 0.8 at step 17 -> 7 steps after the switch
+    assert recovery(steps, rewards, [0, 10], recover_at=0.8, window=3) == [7]
+    assert recovery(steps, [1.0] * 10 + [0.0] * 20, [0, 10], 0.8, 3) == [None]
+
+
+def test_experiments_load_and_later_settings_win():
+    for name in ("stability", "wallclock", "ablation", "online"):
+        exp = load_experiment(name)
+        assert exp.variants and exp.description
+    exp = load_experiment("stability").preset(quick=True)
+    args = train_args(exp, "grpo", 0, Path("r"), ["train.steps=3"])
+    assert "train.steps=3" in args and sum(a.startswith("train.steps=") for a in args) == 1
+    assert "algo.group_size=4" in args and "algo.name=grpo" in args
+
+
+def _sao(*args, cwd, timeout):
+    return subprocess.run([sys.executable, "-m", "sao.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bad_experiment_is_refused_with_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("variants:\n  a: [algo.name=sao]\nbudget: 3\n")
+    proc = _sao("bench", str(bad), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "budget: unknown key" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    bad.write_text("variants:\n  a: [algo.name=grpo, train.batch_size=6]\n")
+    proc = _sao("bench", str(bad), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "variant 'a': train.batch_size: 6 is not a multiple" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_wallclock_quick_preset_writes_every_file(tmp_path):
+    proc = _sao("bench", "wallclock", "--quick", "--out", "out", "model.cache_dir=cache", cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = tmp_path / "out"
+    assert {p.name for p in out.iterdir()} >= {"results.json", "results.md", "curves.png"}
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["variants"]) == {"sao", "sao_sync", "grpo_sync", "grpo_async"}
+    assert all(r["returncode"] == 0 for r in res["runs"]) and len(res["runs"]) == 4
+    for v in res["variants"].values():
+        s = v["per_seed"]["0"]
+        assert s["steps_done"] == 6 and s["final_accuracy"] is not None and s["train_wall_s"] > 0
+    ratio = res["overlap"]["sao vs sao_sync"][0]
+    assert ratio["async_over_max"] > 0 and ratio["gen_only_s"] > 0
+    assert "accuracy_at_equal_wall" in res and (out / "curves.png").stat().st_size > 10_000
+    md = (out / "results.md").read_text()
+    assert "| `grpo_async` |" in md and "sao train" in md
