@@ -103,6 +103,8 @@ def test_group_queue_releases_whole_groups_and_drops_them_whole():
     assert [t.id for t in batch] == ["6", "7"]  # lag of d = 2 - 1 = 1
     assert sorted(t.id for t in dropped) == ["0", "3", "4", "5"]  # a stale, c has a failed member
     assert q.dropped_stale == 2 and q.failed == {"env_error": 1} and q.dropped_group == 1
+    reasons = {t.id: q.drop_reason(t) for t in dropped}  # what the audit records per member
+    assert reasons == {"0": "stale", "3": "stale", "4": "env_error", "5": "group_member_failed"}
 
 
 def test_grouped_stream_repeats_each_draw_with_a_unique_key():

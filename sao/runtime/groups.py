@@ -19,7 +19,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Iterator
 
-from sao.runtime.queue import TrajectoryQueue
+from sao.runtime.queue import TrajectoryQueue, drop_reason
 from sao.types import TRAINABLE, Task, Trajectory
 
 
@@ -55,12 +55,16 @@ class GroupQueue:
         self.dropped_stale = 0
         self.dropped_group = 0  # usable members dropped because a group mate failed
         self.failed: dict[str, int] = {}
+        self._reasons: dict[str, str] = {}  # trajectory id -> why get_batch dropped it (the audit's word)
 
     def __len__(self) -> int:
         return sum(len(g) for g in self._complete) + sum(len(g) for g in self._open.values())
 
     def items(self) -> list[Trajectory]:
         return [t for g in self._complete for t in g] + [t for g in self._open.values() for t in g]
+
+    def drop_reason(self, traj: Trajectory) -> str:
+        return self._reasons.pop(traj.id, "stale")
 
     def put(self, traj: Trajectory) -> None:
         members = self._open.setdefault(traj.task_id, [])
@@ -81,6 +85,8 @@ class GroupQueue:
                 for t in bad:
                     self.failed[t.status.value] = self.failed.get(t.status.value, 0) + 1
                 self.dropped_group += len(group) - len(bad)
+                for t in group:
+                    self._reasons[t.id] = drop_reason(t) if not _usable(t) else "group_member_failed"
                 dropped += group
             elif max(t.lag(current_version) for t in group) > max_lag:  # lag of its oldest token
                 self.dropped_stale += len(group)

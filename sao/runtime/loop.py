@@ -52,7 +52,7 @@ def next_batch(trainer, backend, step: int, version: int) -> tuple[list[Trajecto
     t0 = last = time.perf_counter()
     while True:
         batch, dropped = queue.get_batch(cfg.train.batch_size, version, cfg.runtime.max_lag)
-        sched.dropped(dropped, step, drop_reason)
+        sched.dropped(dropped, step, getattr(queue, "drop_reason", drop_reason))  # GroupQueue knows more
         if batch:
             return batch, time.perf_counter() - t0
         check_stop(trainer)
