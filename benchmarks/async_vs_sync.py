@@ -1,19 +1,25 @@
-"""Async vs sync on the same steps: wall-clock of the training loop, plus generation-only and
-training-only time.
+"""Async vs sync on the same steps, paired and alternating, before and after the issue-12 changes.
 
-    python benchmarks/async_vs_sync.py [--steps 60] [key=value ...]
+    python benchmarks/async_vs_sync.py [--steps 60] [--reps 3] [--variants after before] [key=value ...]
 
-Runs `sao train` twice with the same config and seeds (SFT model from the shared cache): once
-`runtime.mode=async` (rollout process + trainer overlapping on two cores), once `runtime.mode=sync`
-(generate a batch, then train, in one process). Generation-only and training-only times are the
-sync run's totals of its generate and train phases. Perfect overlap would make async take
-max(gen, train); no overlap, gen + train. Writes benchmarks/results/async_vs_sync.json and prints a table.
+For each variant and repetition, `sao train` runs once in `runtime.mode=sync` and once in
+`runtime.mode=async` with the same config and seed, the order alternating between repetitions (so a
+drift in machine load hits both modes alike). Variants:
+  after   the defaults (packed passes, adaptive trainer threads)
+  before  `train.pack=false runtime.adaptive_threads=false` (padded passes, fixed 1+1 pinning)
+Per run: loop wall-clock (from the first step's start), steady wall (after step 1), the sync run's
+generation-only and training-only totals, the share of padded positions, train-step seconds per
+real token, and how well step time follows real tokens (r^2 of a linear fit on real tokens and on
+computed positions; the largest step time over the fit's prediction: the goal is <= 1.5).
+Async perfect overlap would take max(gen, train); no overlap, gen + train.
+Writes benchmarks/results/async_vs_sync.json and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,72 +28,103 @@ from sao.config import load_config
 from sao.runtime.progress import RunProgress
 from sao.runtime.train import train
 
+VARIANTS = {"after": [], "before": ["train.pack=false", "runtime.adaptive_threads=false"]}
 
-def _loop_stats(run_dir: str) -> dict:
+
+def _fit(x: list[float], y: list[float]) -> tuple[float, float, float]:
+    """Least squares y = a + b x -> (a, b, r^2)."""
+    mx, my = statistics.mean(x), statistics.mean(y)
+    sxx = sum((v - mx) ** 2 for v in x) or 1e-12
+    b = sum((u - mx) * (v - my) for u, v in zip(x, y)) / sxx
+    a = my - b * mx
+    ss_res = sum((v - a - b * u) ** 2 for u, v in zip(x, y))
+    ss_tot = sum((v - my) ** 2 for v in y) or 1e-12
+    return a, b, 1.0 - ss_res / ss_tot
+
+
+def loop_stats(run_dir: str) -> dict:
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     last = steps[-1]
+    t = [r["perf/train_step_s"] for r in steps]
+    tokens = [r["perf/train_tokens"] for r in steps]
+    positions = [r.get("perf/train_positions", r["perf/train_tokens"]) for r in steps]
+    a, b, r2_tokens = _fit(tokens, t)
+    r2_positions = _fit(positions, t)[2]
+    worst = max(ti / max(a + b * n, 1e-9) for ti, n in zip(t, tokens))
     return {
         "loop_wall_s": last["perf/wall_s"],
-        # from the end of step 1 on: excludes the rollout process's start-up that step 1 may wait for
         "steady_wall_s": last["perf/wall_s"] - steps[0]["perf/wall_s"],
-        "train_step_s_total": sum(r["perf/train_step_s"] for r in steps),
+        "train_step_s_total": sum(t),
         "gen_total_s": last.get("perf/gen_total_s"),
         "train_total_s": last.get("perf/train_total_s"),
         "trainer_idle_frac": last.get("async/trainer_idle_frac"),
         "rollout_idle_frac": last.get("async/rollout_idle_frac"),
-        "lag_mean": sum(r["async/lag_mean"] for r in steps) / len(steps),
-        "reward_mean_last10": sum(r["reward/mean"] for r in steps[-10:]) / min(10, len(steps)),
+        "lag_mean": statistics.mean(r["async/lag_mean"] for r in steps),
+        "padded_frac": 1.0 - sum(tokens) / sum(positions),
+        "padded_frac_of_padded_batch": statistics.mean(r.get("perf/padded_frac", 0.0) for r in steps),
+        "train_s_per_1k_real_tokens": 1000 * sum(t) / sum(tokens),
+        "r2_time_vs_real_tokens": r2_tokens,
+        "r2_time_vs_positions": r2_positions,
+        "worst_step_over_fit": worst,
+        "trainer_all_cores_frac": statistics.mean(r.get("perf/trainer_all_cores_frac", 0.0) for r in steps),
+        "reward_mean_last10": statistics.mean(r["reward/mean"] for r in steps[-10:]),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=["after", "before"], choices=list(VARIANTS))
     ap.add_argument("--out", default="benchmarks/results/async_vs_sync.json")
-    ap.add_argument("--threads", nargs="*", default=["1,1", "1,2", "2,2"],
-                    help="async thread pinnings to compare, as rollout,trainer (2,2 = torch's default on 2 cores)")
     ap.add_argument("overrides", nargs="*")
     ns = ap.parse_args()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     common = [f"train.steps={ns.steps}", "eval.every=0", "eval.num_tasks=50", "output.root=runs/bench", *ns.overrides]
-    results = {}
-    runs = [("sync", ["runtime.mode=sync"])] + [
-        (f"async_{t.replace(',', '_')}", ["runtime.mode=async", f"runtime.rollout_threads={t.split(',')[0]}",
-                                          f"runtime.trainer_threads={t.split(',')[1]}"]) for t in ns.threads]
-    for name, extra in runs:
-        cfg = load_config(None, [*common, *extra, f"output.name={name}-{stamp}"])
-        res = train(cfg, RunProgress(enabled=sys.stderr.isatty()))
-        results[name] = {"run_dir": res.run_dir, "overrides": extra, **_loop_stats(res.run_dir)}
-    results["async"] = results[f"async_{ns.threads[0].replace(',', '_')}"]  # the first pinning is the default
-    a, s = results["async"], results["sync"]
-    gen, trn = s["gen_total_s"], s["train_total_s"]
-    summary = {
-        "steps": ns.steps,
-        "async_s": a["loop_wall_s"],
-        "sync_s": s["loop_wall_s"],
-        "gen_only_s": gen,
-        "train_only_s": trn,
-        "async_over_sync": a["loop_wall_s"] / s["loop_wall_s"],
-        "async_over_max_gen_train": a["loop_wall_s"] / max(gen, trn),
-        "async_steady_s": a["steady_wall_s"],
-        "sync_steady_s": s["steady_wall_s"],
-        "async_over_sync_steady": a["steady_wall_s"] / s["steady_wall_s"],
-        "config_overrides": common,
-        "runs": results,
-    }
+    runs: list[dict] = []
+    for rep in range(ns.reps):
+        for variant in ns.variants:
+            for mode in ("sync", "async") if rep % 2 == 0 else ("async", "sync"):
+                name = f"{variant}-{mode}-r{rep}-{stamp}"
+                cfg = load_config(None, [*common, *VARIANTS[variant], f"runtime.mode={mode}", f"output.name={name}"])
+                res = train(cfg, RunProgress(enabled=sys.stderr.isatty()))
+                row = {"variant": variant, "mode": mode, "rep": rep, "run_dir": res.run_dir, **loop_stats(res.run_dir)}
+                runs.append(row)
+                print(json.dumps(row), flush=True)
+    summary: dict = {"steps": ns.steps, "reps": ns.reps, "config_overrides": common, "variants": {}}
+    for variant in ns.variants:
+        pairs = []
+        for rep in range(ns.reps):
+            s = next(r for r in runs if r["variant"] == variant and r["rep"] == rep and r["mode"] == "sync")
+            a = next(r for r in runs if r["variant"] == variant and r["rep"] == rep and r["mode"] == "async")
+            pairs.append({
+                "async_over_sync": a["loop_wall_s"] / s["loop_wall_s"],
+                "async_over_sync_steady": a["steady_wall_s"] / s["steady_wall_s"],
+                "async_over_max_gen_train": a["loop_wall_s"] / max(s["gen_total_s"], s["train_total_s"]),
+                "async_s": a["loop_wall_s"], "sync_s": s["loop_wall_s"],
+                "gen_only_s": s["gen_total_s"], "train_only_s": s["train_total_s"],
+            })
+        summary["variants"][variant] = {
+            "pairs": pairs,
+            **{f"median_{k}": statistics.median(p[k] for p in pairs) for k in pairs[0]},
+            **{f"mean_{k}": statistics.mean(r[k] for r in runs if r["variant"] == variant)
+               for k in ("padded_frac", "train_s_per_1k_real_tokens", "r2_time_vs_real_tokens",
+                         "r2_time_vs_positions", "worst_step_over_fit", "trainer_all_cores_frac")},
+        }
+    summary["runs"] = runs
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))
-    print(f"{'measure':<34}{'seconds':>10}")
-    for k in ("async_s", "sync_s", "gen_only_s", "train_only_s"):
-        print(f"{k:<34}{summary[k]:>10.1f}")
-    for t in ns.threads:
-        r = results[f"async_{t.replace(',', '_')}"]
-        print(f"{'async, threads rollout,trainer=' + t:<34}{r['loop_wall_s']:>10.1f}")
-    print(f"{'async / sync':<34}{summary['async_over_sync']:>10.2f}")
-    print(f"{'async / sync, after step 1':<34}{summary['async_over_sync_steady']:>10.2f}")
-    print(f"{'async / max(gen, train)':<34}{summary['async_over_max_gen_train']:>10.2f}")
+    keys = ["async_over_sync", "async_over_sync_steady", "async_over_max_gen_train", "async_s", "sync_s",
+            "gen_only_s", "train_only_s"]
+    print(f"{'per repetition':<28}" + "".join(f"{v + ' r' + str(i):>12}" for v in ns.variants for i in range(ns.reps)))
+    for k in keys:
+        print(f"{k:<28}" + "".join(f"{p[k]:>12.2f}" for v in ns.variants for p in summary["variants"][v]["pairs"]))
+    print(f"{'mean over runs':<28}" + "".join(f"{v:>12}" for v in ns.variants))
+    for k in ("padded_frac", "train_s_per_1k_real_tokens", "r2_time_vs_real_tokens", "r2_time_vs_positions",
+              "worst_step_over_fit", "trainer_all_cores_frac"):
+        print(f"{k:<28}" + "".join(f"{summary['variants'][v]['mean_' + k]:>12.3f}" for v in ns.variants))
     print(f"results: {out}")
 
 

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             return USAGE_ERROR
         raise
     except RuntimeError as exc:
-        if type(exc).__name__ not in ("ParityError", "StalledError", "WorkerCrashLoop"):
+        if type(exc).__name__ not in ("ParityError", "StalledError", "WorkerCrashLoop", "NonFiniteError"):
             raise
         print(f"sao: error: {exc}", file=sys.stderr)
         return 1

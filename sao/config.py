@@ -120,6 +120,12 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0, description="actor gradient-norm clip")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay for actor and critic")
     seed: int = Field(0, description="seed of task order, sampling and training")
+    pack: bool = Field(True, description=(
+        "run the trainer's model passes on packed rows (several trajectories per row, attention kept "
+        "within each): cost follows real tokens; false = right-padded batch (same numbers, slower)"))
+    max_nonfinite_steps: int = Field(5, ge=1, description=(
+        "stop the run after this many optimizer steps in a row skipped an update for a non-finite "
+        "loss or gradient (each such update is skipped and counted in guard/skipped_updates)"))
 
 
 class RuntimeConfig(Section):
@@ -134,6 +140,9 @@ class RuntimeConfig(Section):
     sync_every: int = Field(1, ge=1, description="publish weights every this many actor steps (<= max_lag + 1)")
     rollout_threads: int = Field(1, ge=1, description="torch intra-op threads of each rollout worker")
     trainer_threads: int = Field(1, ge=1, description="torch intra-op threads of the trainer")
+    adaptive_threads: bool = Field(True, description=(
+        "local backend: the trainer also takes the rollout workers' threads while none of them has an "
+        "episode in flight (they are paced or idle), and its own trainer_threads while one does"))
     parity_tol: float = Field(1e-4, gt=0, description="max |engine - trainer| log-prob at step 0")
     receive_timeout_s: float = Field(300.0, gt=0, description=(
         "stop the run with a message when no trajectory arrives for this long"))

@@ -7,7 +7,12 @@ import torch
 
 from sao.algo.baselines import RunningMeanBaseline, group_advantages
 from sao.algo.core import explained_variance, masked_mean, masked_whiten
-from sao.algo.gae import length_adaptive_lambda, skip_observation_gae, step_level_values
+from sao.algo.gae import (
+    length_adaptive_lambda,
+    skip_observation_gae,
+    skip_observation_gae_reference,
+    step_level_values,
+)
 from sao.algo.losses import dis_policy_loss, ppo_clip_loss, value_loss
 
 
@@ -48,6 +53,23 @@ def test_per_trajectory_lambda():
     assert torch.allclose(adv, torch.tensor([[0.4, 0.4], [0.8, 0.4]]))
 
 
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.95), (1.0, "per_trajectory")])
+def test_gae_fast_path_matches_the_reference_recurrence(gamma, lam):
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(6, 50, generator=g) > 0.5).float()
+    mask[2] = 0  # a row without action tokens
+    mask[4, :] = 1  # a row that is all actions
+    rewards = torch.randn(6, 50, generator=g) * mask
+    values = torch.randn(6, 50, generator=g)
+    lam = torch.rand(6, generator=g) if lam == "per_trajectory" else lam
+    fast = skip_observation_gae(rewards, values, mask, gamma, lam)
+    ref = skip_observation_gae_reference(rewards, values, mask, gamma, lam)
+    for a, b in zip(fast, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    empty = skip_observation_gae(torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), 1.0, 1.0)
+    assert all(not x.any() for x in empty)
+
+
 def test_length_adaptive_lambda():
     # 1 - 1/(1.5 l): l=1 -> 1/3; l=2 -> 2/3; l=10 -> 1 - 1/15; l=0 is clamped to 1 token
     lam = length_adaptive_lambda(torch.tensor([1, 2, 10, 0]), alpha=1.5)
@@ -80,6 +102,21 @@ def test_dis_boundaries_are_strict():
     logp = torch.log(torch.tensor([[0.5, 3.0]]))
     _, m = dis_policy_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), 0.5, 2.0)
     assert m["dis/masked_low_frac"] == 0.5 and m["dis/masked_high_frac"] == 0.5
+
+
+def test_dis_overflowing_ratio_is_masked_not_nan():
+    # t1: log-ratio 100 -> exp overflows fp32 to inf (masked high); t2 is off the mask with a -inf
+    # log-prob. `inf * 0` and `-inf * 0` are NaN; the loss and its gradient must stay finite.
+    logp = torch.tensor([[math.log(1.2), 100.0, -math.inf]]).requires_grad_(True)
+    blp = torch.tensor([[0.0, 0.0, 0.0]])
+    adv = torch.tensor([[1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, m = dis_policy_loss(logp, blp, adv, mask, eps_low=0.3, eps_high=5.0)
+    # only t0 is kept: loss = -(1.2 * 1 * log 1.2) / 2 action tokens; d/dlogp_0 = -1.2 / 2
+    assert loss.item() == pytest.approx(-1.2 * math.log(1.2) / 2, rel=1e-5)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-0.6, 0.0, 0.0]]), atol=1e-6) and logp.grad[0, 1:].eq(0).all()
+    assert m["dis/masked_high_frac"] == 0.5 and m["dis/masked_low_frac"] == 0.0
 
 
 def test_ppo_clip_loss_on_policy_is_minus_mean_advantage():

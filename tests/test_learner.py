@@ -97,3 +97,37 @@ def test_entropy_bonus_is_off_by_default_and_raises_entropy_when_on(tiny, tiny_m
 
     assert AlgoConfig().entropy_coef == 0.0
     assert entropy_after(1.0) > entropy_after(0.0)
+
+
+def test_non_finite_loss_skips_the_update_and_too_many_in_a_row_stop_the_run(tiny, tiny_model_dir):
+    from sao.trainer.learner import NonFiniteError
+
+    model, codec = tiny
+    critic = build_critic(tiny_model_dir)
+    learner = Learner(model, critic, get_algorithm("sao"), AlgoConfig(), CriticConfig(warmup_steps=0),
+                      TrainConfig(lr=1e-3, max_nonfinite_steps=2))
+    good = _batch(codec, model)
+    bad = _batch(codec, model)
+    bad.rewards[0][bad.rewards[0] != 0] = float("nan")  # e.g. an environment that returned NaN
+    weights = [p.detach().clone() for p in [*model.parameters(), *critic.parameters()]]
+    opt_state = len(learner.actor_opt.state)
+    m = learner.step(bad)  # NaN returns -> both critic losses NaN; NaN advantages -> actor loss NaN
+    assert m["guard/skipped_updates"] == 3 and m["guard/skipped_updates_total"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(weights, [*model.parameters(), *critic.parameters()]))
+    assert learner.actor_version == 0 and learner.critic_version == 0 and len(learner.actor_opt.state) == opt_state
+    m = learner.step(good)  # a finite step resets the run of skipped steps
+    assert m["guard/skipped_updates"] == 0 and learner.actor_version == 1 and learner.critic_version == 2
+    learner.step(bad)
+    with pytest.raises(NonFiniteError, match="train.max_nonfinite_steps=2"):
+        learner.step(bad)
+
+
+def test_non_finite_gradient_with_finite_loss_skips_the_update(tiny, tiny_model_dir):
+    model, _ = tiny
+    learner = Learner(model, None, get_algorithm("running_mean"), AlgoConfig(), CriticConfig(), TrainConfig())
+    before = [p.detach().clone() for p in model.parameters()]
+    p0 = next(model.parameters())
+    loss = (p0.sum() * 0).sqrt()  # sqrt(0) = 0 is finite; its gradient 0.5 / sqrt(0) * 0 is NaN
+    assert torch.isfinite(loss) and learner._update(learner.actor_opt, loss, 1.0) is None
+    assert learner.skipped_in_step == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -24,7 +24,45 @@ def skip_observation_gae(
     gamma: float,
     lam: float | torch.Tensor,  # scalar or (B,)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (advantages, returns), both (B, T) and zero off the action mask.
+    """Return (advantages, returns), both (B, T), zero off the action mask; the same numbers as
+    `skip_observation_gae_reference`, with the loop over action tokens only (A, not T steps).
+
+    The action tokens of each trajectory are gathered in order into (B, A), where the chain has no
+    gaps: delta_i = r_i + gamma * V_{i+1} - V_i (V = 0 past the last one: terminal) and
+    A_i = delta_i + gamma * lam * A_{i+1}.
+    """
+    B, T = rewards.shape
+    mask = action_mask.to(torch.bool)
+    lam_t = torch.as_tensor(lam, dtype=values.dtype).expand(B) if not torch.is_tensor(lam) else lam.to(values.dtype)
+    rows, cols = mask.nonzero(as_tuple=True)  # action tokens, row-major: in order within a row
+    rank = mask.cumsum(1)[rows, cols] - 1  # index of each among its row's action tokens
+    A = int(rank.max()) + 1 if rank.numel() else 0
+    v = torch.zeros(B, A + 1, dtype=values.dtype)  # one extra column: the terminal V = 0
+    r = torch.zeros(B, A, dtype=values.dtype)
+    v[rows, rank] = values[rows, cols]
+    r[rows, rank] = rewards[rows, cols].to(values.dtype)
+    delta = r + gamma * v[:, 1:] - v[:, :-1]  # (B, A); 0 past each row's last action token
+    c = gamma * lam_t  # (B,)
+    adv = torch.empty_like(delta)
+    nxt = torch.zeros(B, dtype=values.dtype)
+    for i in reversed(range(A)):
+        nxt = delta[:, i] + c * nxt
+        adv[:, i] = nxt
+    advantages = torch.zeros_like(values)
+    advantages[rows, cols] = adv[rows, rank]
+    returns = (advantages + values) * action_mask
+    return advantages, returns
+
+
+def skip_observation_gae_reference(
+    rewards: torch.Tensor,  # (B, T) reward on the last action token, 0 elsewhere
+    values: torch.Tensor,  # (B, T) V(s_t) at action positions
+    action_mask: torch.Tensor,  # (B, T) 1 on action tokens
+    gamma: float,
+    lam: float | torch.Tensor,  # scalar or (B,)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence as written, one position at a time (the reference `skip_observation_gae` is
+    tested against). Return (advantages, returns), both (B, T) and zero off the action mask.
 
     for p in reversed(action positions):
         delta_p = r_p + gamma * V_next - V_p

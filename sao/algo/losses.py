@@ -22,15 +22,19 @@ def dis_policy_loss(
     loss = -sum_t sg(w_t) sg(A_t) logpi_theta(a_t|s_t) m_t / sum_t m_t
     Masked tokens stay in the denominator (token mean over all action tokens of the batch).
     """
-    logratio = (logprobs.detach() - behavior_logprobs) * action_mask
+    on = action_mask.bool()
+    # torch.where, not `* mask`: an overflowing ratio (exp of a log-ratio > 88 in fp32 is inf) or a
+    # -inf log-prob off the mask times 0 is NaN, and one NaN poisons the whole gradient
+    logratio = torch.where(on, logprobs.detach() - behavior_logprobs, 0.0)
     ratio = torch.exp(logratio)
-    low = (ratio <= 1.0 - eps_low) & action_mask.bool()
-    high = (ratio >= 1.0 + eps_high) & action_mask.bool()
-    keep = (~low & ~high).to(logprobs.dtype) * action_mask
-    weight = (ratio * keep).detach()
-    pg_loss = -(weight * advantages.detach() * logprobs * action_mask).sum() / action_mask.sum().clamp(min=1)
+    low = (ratio <= 1.0 - eps_low) & on
+    high = (ratio >= 1.0 + eps_high) & on
+    keep = ~low & ~high & on
+    weight = torch.where(keep, ratio, 0.0).detach()
+    pg_terms = torch.where(keep, weight * advantages.detach() * logprobs, 0.0)
+    pg_loss = -pg_terms.sum() / action_mask.sum().clamp(min=1)
     # approx KL(pi_rollout || pi_theta), k3 estimator over tokens sampled from pi_rollout: (r - 1) - log r
-    approx_kl = masked_mean(ratio - 1.0 - logratio, action_mask)
+    approx_kl = masked_mean(torch.where(on, ratio - 1.0 - logratio, 0.0), action_mask)
     metrics = {
         "dis/masked_low_frac": float(masked_mean(low.float(), action_mask)),
         "dis/masked_high_frac": float(masked_mean(high.float(), action_mask)),

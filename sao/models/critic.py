@@ -50,7 +50,11 @@ def freeze_parameters(model: torch.nn.Module, pattern: str) -> int:
     return frozen
 
 
-def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) ids -> (B, T) values aligned with token positions (V(s_t) at t; 0 at t=0)."""
-    head = critic(input_ids=input_ids, attention_mask=attention_mask).logits[..., 0].float()  # (B, T)
+def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) ids -> (B, T) values aligned with token positions (V(s_t) at t; 0 at t=0).
+
+    Packed rows (sao/trainer/packing.py) pass `position_ids` and no attention mask."""
+    head = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False).logits[..., 0].float()  # (B, T)
     return torch.nn.functional.pad(head[:, :-1], (1, 0))

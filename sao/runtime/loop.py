@@ -13,6 +13,7 @@ import time
 import torch
 
 from sao.runtime.queue import drop_reason, queue_age_s
+from sao.runtime.threads import AdaptiveThreads
 from sao.trainer.batch import collate
 from sao.types import Trajectory
 
@@ -82,16 +83,28 @@ def async_perf(trainer, wait_s: float, wall: float, sync_ms: float) -> dict:
     }
 
 
+def adaptive_threads(trainer, backend) -> AdaptiveThreads | None:
+    """The trainer takes the local workers' cores while none of them has an episode in flight."""
+    r = trainer.cfg.runtime
+    if not r.adaptive_threads or r.backend != "local":
+        return None
+    return AdaptiveThreads(trainer, backend, r.trainer_threads, r.trainer_threads + r.rollout_threads * r.rollout_workers)
+
+
 def run_async(trainer, backend) -> None:
     """Take the next B finished trajectories, train, publish every `sync_every` actor steps."""
     cfg, learner, sched = trainer.cfg, trainer.learner, trainer.scheduler
     t_start, sync_ms = time.perf_counter(), 0.0
+    threads = adaptive_threads(trainer, backend)
+    learner.before_pass = threads
     for step in range(trainer.step + 1, cfg.train.steps + 1):
         check_stop(trainer)
         version = learner.actor_version  # the policy this batch updates; lag is measured against it
         batch, wait_s = next_batch(trainer, backend, step, version)
         trainer.totals["wait_s"] += wait_s
         metrics = learner.step(collate(batch, trainer.codec.tokenizer.pad_token_id))
+        if threads is not None:
+            metrics.update(threads.end_step())
         sched.trained(batch, step)
         trainer.unpublished += 1
         if learner.actor_version == version:  # critic warm-up: the policy did not change

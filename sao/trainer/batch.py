@@ -1,4 +1,9 @@
-"""Collate finished trajectories into right-padded tensors aligned with token positions."""
+"""Collate finished trajectories into right-padded tensors aligned with token positions.
+
+Every loss and advantage function works on this (B, T) layout. The model passes themselves run
+on packed rows when `packing` is set (the learner sets it, sao/trainer/packing.py), so their cost
+follows real tokens.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sao.trainer.packing import Packing
 from sao.types import Trajectory
 
 
@@ -22,10 +28,16 @@ class Batch:
     task_ids: list[str]
     prompt_keys: list[str]  # a digest of the prompt's token ids: the same prompt drawn twice, the same key
     group_ids: list[str]  # the group key: task ids are unique per draw, shared by a group's G rollouts
+    packing: Packing | None = None  # None: model passes run on the padded (B, T) batch
 
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def positions(self) -> int:
+        """Positions one model pass computes: packed rows R * L, or B * T padded."""
+        return self.packing.positions if self.packing is not None else self.input_ids.numel()
 
     def rows(self, idx: torch.Tensor) -> Batch:
         """The trajectories at `idx` (a minibatch), padding kept."""

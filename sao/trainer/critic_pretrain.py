@@ -10,9 +10,9 @@ import torch
 from sao.algo.core import explained_variance
 from sao.algo.gae import skip_observation_gae
 from sao.algo.losses import value_loss
-from sao.models.critic import critic_values
 from sao.trainer.batch import Batch
 from sao.trainer.learner import adamw
+from sao.trainer.packing import critic_forward
 
 
 def monte_carlo_returns(batch: Batch, gamma: float = 1.0) -> torch.Tensor:
@@ -31,7 +31,7 @@ def fit_critic(critic, next_batch: Callable[[], Batch], steps: int, lr: float, g
     for step in range(steps):
         batch = next_batch()
         returns = monte_carlo_returns(batch, gamma)
-        values = critic_values(critic, batch.input_ids, batch.attention_mask)
+        values = critic_forward(critic, batch)  # packed rows when the batch has them
         loss, metrics = value_loss(values, returns, batch.action_mask)
         metrics["critic/explained_variance"] = explained_variance(values.detach(), returns, batch.action_mask)
         opt.zero_grad(set_to_none=True)

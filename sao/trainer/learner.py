@@ -9,11 +9,20 @@ Critic-free algorithms (group, running mean) skip steps 1-3 and put one advantag
 every action token; only critic-based advantages are whitened (docs/algorithm.md §7). PPO-loss algorithms (grpo,
 vapo) compute pi_old once per batch, then take `ppo_epochs x ppo_minibatches` actor updates against
 it; the policy version still advances by one per batch (weights are published per batch).
+
+Model passes per SAO step (docs/performance.md): critic forward+backward x K (the first forward
+also gives v0), one no-grad critic forward (v2), one actor forward+backward. They run on packed
+rows (sao/trainer/packing.py) when `train.pack` is on, so their cost follows real tokens.
+
+Guard: an optimizer update whose loss or gradient norm is not finite is skipped (weights and
+optimizer state untouched) and counted; `train.max_nonfinite_steps` consecutive steps with a
+skipped update stop the run with `NonFiniteError`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -23,9 +32,20 @@ from sao.algo.gae import length_adaptive_lambda, skip_observation_gae, step_leve
 from sao.algo.losses import dis_policy_loss, ppo_clip_loss, value_loss
 from sao.algo.registry import Algorithm
 from sao.config import AlgoConfig, CriticConfig, TrainConfig
-from sao.models.actor import sequence_logprobs, token_entropy, token_logprobs
-from sao.models.critic import critic_values, freeze_parameters
+from sao.models.critic import freeze_parameters
 from sao.trainer.batch import Batch
+from sao.trainer.packing import actor_logprobs, critic_forward, pack
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradient: the run cannot go on."""
+
+
+def _lap(metrics: dict, key: str, since: float) -> float:
+    """Add the time since `since` to metrics[key]; return now (per-pass cost, docs/performance.md)."""
+    now = time.perf_counter()
+    metrics[key] = metrics.get(key, 0.0) + now - since
+    return now
 
 
 def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -44,6 +64,12 @@ class Learner:
         self.critic_version = 0  # critic optimizer steps taken so far
         self.steps_done = 0  # optimizer steps (critic-only warm-up steps included)
         self.actor_version = 0  # actor optimizer steps taken so far = policy version
+        self.skipped_total = 0  # optimizer updates skipped for a non-finite loss or gradient
+        self.consecutive_skipped = 0  # steps in a row with a skipped update
+        self.skipped_in_step = 0
+        # called before each model pass: the async loop sets threads by what the rollout side is
+        # doing (sao/runtime/threads.py); None in sync mode
+        self.before_pass: Callable[[], None] | None = None
         if algo.uses_critic:
             if critic is None:
                 raise ValueError(f"algo.name={algo.name} needs a critic")
@@ -61,8 +87,18 @@ class Learner:
     def in_warmup(self) -> bool:
         return self.algo.uses_critic and self.steps_done < self.critic_cfg.warmup_steps
 
+    def _pass_boundary(self) -> None:
+        if self.before_pass is not None:
+            self.before_pass()
+
+    def _packed(self, batch: Batch) -> Batch:
+        if self.train_cfg.pack and batch.packing is None:
+            batch.packing = pack(batch.input_ids, batch.attention_mask)
+        return batch
+
     def _values(self, batch: Batch) -> torch.Tensor:
-        v = critic_values(self.critic, batch.input_ids, batch.attention_mask)  # (B, T)
+        self._pass_boundary()
+        v = critic_forward(self.critic, self._packed(batch))  # (B, T)
         if self.algo.step_level:
             v = step_level_values(v, batch.action_mask, self.algo_cfg.step_value)
         return v
@@ -70,31 +106,34 @@ class Learner:
     def _critic_phase(self, batch: Batch, metrics: dict) -> torch.Tensor:
         """Steps 1-3: returns, K critic updates, then actor advantages from the updated critic."""
         mask, cfg = batch.action_mask, self.algo_cfg
+        t = time.perf_counter()
         # step 1: v0 is also the forward pass of the first critic update (the critic has not changed
         # yet), so one forward serves both
         v = self._values(batch)
         v0 = v.detach()
+        t = _lap(metrics, "perf/critic_forward_s", t)
         _, returns = skip_observation_gae(batch.rewards, v0, mask, cfg.gamma, 1.0)
         metrics["critic/explained_variance"] = explained_variance(v0, returns, mask)
+        t = _lap(metrics, "perf/gae_s", t)
         for k in range(self.critic_updates):  # step 2
             if k > 0:
                 v = self._values(batch)
+                t = _lap(metrics, "perf/critic_forward_s", t)
             loss, m = value_loss(v, returns, mask, old_values=v0, clip=self.critic_cfg.value_clip)
-            self.critic_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(
-                [p for p in self.critic.parameters() if p.requires_grad], self.critic_cfg.grad_clip)
-            self.critic_opt.step()
-            self.critic_version += 1
+            gn = self._apply(self.critic_opt, loss, self.critic_cfg.grad_clip)
+            self.critic_version += gn is not None
+            t = _lap(metrics, "perf/critic_backward_s", t)  # backward + clip + optimizer step
         metrics.update(m)
-        metrics["critic/grad_norm"] = float(gn)
-        with torch.no_grad():  # step 3
+        metrics["critic/grad_norm"] = float("nan") if gn is None else gn
+        with torch.inference_mode():  # step 3
             v2 = self._values(batch)
-            if self.algo.step_level:  # one advantage per turn, lambda from the number of turns (App. A.1)
-                advantages, lam = step_level_gae(batch.rewards, v2, mask, cfg.gamma, cfg.lam_alpha, cfg.step_value)
-            else:
-                lam = length_adaptive_lambda(batch.num_action_tokens, cfg.lam_alpha)
-                advantages, _ = skip_observation_gae(batch.rewards, v2, mask, cfg.gamma, lam)
+        t = _lap(metrics, "perf/critic_v2_s", t)
+        if self.algo.step_level:  # one advantage per turn, lambda from the number of turns (App. A.1)
+            advantages, lam = step_level_gae(batch.rewards, v2, mask, cfg.gamma, cfg.lam_alpha, cfg.step_value)
+        else:
+            lam = length_adaptive_lambda(batch.num_action_tokens, cfg.lam_alpha)
+            advantages, _ = skip_observation_gae(batch.rewards, v2, mask, cfg.gamma, lam)
+        _lap(metrics, "perf/gae_s", t)
         metrics["critic/version"] = self.critic_version
         metrics["critic/value_mean"] = float(masked_mean(v2, mask))
         metrics["critic/return_mean"] = float(masked_mean(returns, mask))
@@ -112,9 +151,37 @@ class Learner:
             adv = torch.tensor(self.running_mean.advantages(batch.scalar_rewards.tolist(), batch.prompt_keys))
         return adv[:, None] * batch.action_mask  # every action token of a trajectory
 
+    def _apply(self, opt: torch.optim.Optimizer, loss: torch.Tensor, clip: float) -> float | None:
+        """backward, clip, step; returns the gradient norm, or None when the update was skipped because
+        the loss or the gradient is not finite (no step: weights and optimizer state stay as they were)."""
+        opt.zero_grad(set_to_none=True)
+        params = [p for group in opt.param_groups for p in group["params"]]
+        if torch.isfinite(loss.detach()):
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(params, clip)
+            if torch.isfinite(gn):
+                opt.step()
+                return float(gn)
+            opt.zero_grad(set_to_none=True)
+        self.skipped_in_step += 1
+        return None
+
+    def _guard(self, metrics: dict) -> None:
+        """Count steps with a skipped update; too many in a row stop the run."""
+        skipped = metrics["guard/skipped_updates"] = self.skipped_in_step
+        self.skipped_total += skipped
+        self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
+        metrics["guard/skipped_updates_total"] = self.skipped_total
+        limit = self.train_cfg.max_nonfinite_steps
+        if self.consecutive_skipped >= limit:
+            raise NonFiniteError(
+                f"{self.consecutive_skipped} optimizer steps in a row had a non-finite loss or gradient "
+                f"(train.max_nonfinite_steps={limit}); stopping. Check the rewards, or lower train.lr/critic.lr")
+
     def step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
         mask = batch.action_mask
+        self.skipped_in_step = 0
         metrics: dict[str, float] = {"reward/mean": float(batch.scalar_rewards.mean())}
         if self.algo.uses_critic:
             advantages = self._critic_phase(batch, metrics)
@@ -126,10 +193,17 @@ class Learner:
         warmup = self.in_warmup
         metrics["train/critic_warmup"] = float(warmup)
         if not warmup:  # step 4
+            self._pass_boundary()
+            t = time.perf_counter()
             metrics.update(self._actor_step(batch, advantages))
+            _lap(metrics, "perf/actor_s", t)  # forward + backward + optimizer step
         self.steps_done += 1
+        self._guard(metrics)
         metrics["perf/train_step_s"] = time.perf_counter() - t0
         metrics["perf/train_tokens"] = float(batch.attention_mask.sum())
+        positions = self._packed(batch).positions
+        metrics["perf/train_positions"] = float(positions)  # what each full-batch model pass computes
+        metrics["perf/padded_frac"] = 1.0 - metrics["perf/train_tokens"] / positions
         return metrics
 
     def _actor_step(self, batch: Batch, advantages: torch.Tensor) -> dict[str, float]:
@@ -139,7 +213,7 @@ class Learner:
             metrics = self._update(batch, advantages, None)
         else:
             with torch.no_grad():  # pi_old, once per batch: the extra forward pass DIS avoids
-                old_logprobs = sequence_logprobs(self.actor, batch.input_ids, batch.attention_mask)
+                old_logprobs, _ = actor_logprobs(self.actor, self._packed(batch))
             gen = torch.Generator().manual_seed(self.train_cfg.seed * 1_000_003 + self.steps_done)
             rows = []
             for _ in range(cfg.ppo_epochs):
@@ -148,31 +222,25 @@ class Learner:
             metrics = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
             metrics["ppo/clipfrac_max"] = max(r["ppo/clipfrac"] for r in rows)
             metrics["ppo/updates"] = float(len(rows))
-        self.actor_version += 1
+        self.actor_version += metrics.pop("applied") > 0  # weights unchanged when every update was skipped
         return metrics
 
     def _update(self, batch: Batch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None) -> dict[str, float]:
         """One actor optimizer step on `batch`: DIS (old_logprobs None) or PPO clip against pi_old."""
         mask, cfg = batch.action_mask, self.algo_cfg
-        logits = self.actor(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        logprobs = token_logprobs(logits, batch.input_ids)  # (B, T)
+        logprobs, entropy = actor_logprobs(self.actor, self._packed(batch), entropy_grad=cfg.entropy_coef > 0)
         if old_logprobs is None:
             loss, metrics = dis_policy_loss(logprobs, batch.behavior_logprobs, advantages, mask,
                                             cfg.eps_low, cfg.eps_high)
         else:
             loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, mask, cfg.ppo_eps_low, cfg.ppo_eps_high)
-            rollout_ratio = torch.exp((logprobs.detach() - batch.behavior_logprobs) * mask)
+            rollout_ratio = torch.exp(torch.where(mask.bool(), logprobs.detach() - batch.behavior_logprobs, 0.0))
             metrics["dis/ratio_mean"] = float(masked_mean(rollout_ratio, mask))
+        entropy = masked_mean(entropy, mask)  # a metric only unless the bonus is on (no autograd buffers)
         if cfg.entropy_coef > 0:  # off by default: the paper uses no entropy bonus
-            entropy = masked_mean(token_entropy(logits), mask)
             loss = loss - cfg.entropy_coef * entropy
-        else:  # a metric only: no (B, T, V) autograd buffers kept alive through backward()
-            with torch.no_grad():
-                entropy = masked_mean(token_entropy(logits), mask)
-        self.actor_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.train_cfg.grad_clip)
-        self.actor_opt.step()
+        gn = self._apply(self.actor_opt, loss, self.train_cfg.grad_clip)
         metrics["actor/entropy"] = float(entropy.detach())
-        metrics["actor/grad_norm"] = float(gn)
+        metrics["actor/grad_norm"] = float("nan") if gn is None else gn
+        metrics["applied"] = float(gn is not None)
         return metrics
