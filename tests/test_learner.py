@@ -128,6 +128,6 @@ def test_non_finite_gradient_with_finite_loss_skips_the_update(tiny, tiny_model_
     before = [p.detach().clone() for p in model.parameters()]
     p0 = next(model.parameters())
     loss = (p0.sum() * 0).sqrt()  # sqrt(0) = 0 is finite; its gradient 0.5 / sqrt(0) * 0 is NaN
-    assert torch.isfinite(loss) and learner._update(learner.actor_opt, loss, 1.0) is None
+    assert torch.isfinite(loss) and learner._apply(learner.actor_opt, loss, 1.0) is None
     assert learner.skipped_in_step == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -103,18 +103,24 @@ def test_critic_pass_same_values_loss_and_gradients(model_dir):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_learner_step_same_numbers_packed_or_padded(model_dir):
-    """A whole SAO step (v0, K=2 critic updates, v2, DIS actor step) gives the same metrics either way."""
+SHARED = ("loss/policy", "critic/value_loss", "critic/value_mean", "critic/grad_norm", "actor/grad_norm",
+          "actor/entropy", "dis/ratio_mean", "adv/mean_raw")
+
+
+@pytest.mark.parametrize("algo,keys", [("sao", (*SHARED, "dis/approx_kl")),
+                                       ("vapo", (*SHARED, "ppo/approx_kl", "ppo/clipfrac"))])
+def test_learner_step_same_numbers_packed_or_padded(model_dir, algo, keys):
+    """A whole step (v0, K=2 critic updates, v2, then DIS, or PPO minibatch updates against pi_old)
+    gives the same metrics either way."""
     trajs = _trajectories(LENGTHS, seed=2)
     runs = []
     for packed in (False, True):
         torch.manual_seed(0)
         actor, critic = load_model(model_dir), build_critic(model_dir)
-        learner = Learner(actor, critic, get_algorithm("sao"), AlgoConfig(), CriticConfig(warmup_steps=0),
+        learner = Learner(actor, critic, get_algorithm(algo), AlgoConfig(), CriticConfig(warmup_steps=0),
                           TrainConfig(lr=1e-3, pack=packed))
         runs.append(learner.step(collate(trajs, pad_id=0)))
     ref, fast = runs
     assert ref["perf/padded_frac"] > 0.3 and fast["perf/padded_frac"] < ref["perf/padded_frac"]
-    for key in ("loss/policy", "critic/value_loss", "critic/value_mean", "critic/grad_norm", "actor/grad_norm",
-                "actor/entropy", "dis/ratio_mean", "dis/approx_kl", "adv/mean_raw"):
+    for key in keys:
         assert fast[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
