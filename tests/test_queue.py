@@ -98,3 +98,21 @@ def test_lag_uses_the_oldest_token_version():
     t.token_versions[-1] = 5  # in-flight weight swap: later tokens are newer
     assert t.oldest_version == 3 and t.lag(6) == 3
     assert Trajectory.from_json(t.to_json()) == t
+
+
+def test_issue_ahead_paces_fewer_batches_than_max_lag_allows(tmp_path):
+    from sao.config import RuntimeConfig
+    from sao.runtime.train import issue_ahead
+
+    # ahead = min(max_lag, max(issue_ahead, sync_every - 1))
+    assert issue_ahead(RuntimeConfig(max_lag=2, issue_ahead=1)) == 1
+    assert issue_ahead(RuntimeConfig(max_lag=1, issue_ahead=3)) == 1
+    assert issue_ahead(RuntimeConfig(max_lag=3, issue_ahead=0, sync_every=3)) == 2
+    tasks = TaskStream(Task(f"t{i}", "p") for i in itertools.count())
+    backend = Recorder(1)
+    sched = Scheduler(backend, tasks, Audit(tmp_path / "audit.jsonl"), 2, 2, ahead=1)
+    sched.fill(0)
+    assert len(backend.got[0]) == 4  # (0 consumed + 1 ahead + 1) * 2, not (0 + 2 + 1) * 2
+    sched.consumed += 1
+    sched.fill(1)
+    assert len(backend.got[0]) == 6

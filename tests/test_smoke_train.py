@@ -28,6 +28,7 @@ REQUIRED = [
     "reward/mean", "dis/masked_low_frac", "dis/masked_high_frac", "critic/explained_variance", "critic/value_loss",
     "actor/grad_norm", "critic/grad_norm", "async/lag_mean", "async/lag_max", "async/queue_age_s",
     "async/trainer_idle_frac", "async/rollout_idle_frac", "perf/tokens_per_s", "perf/weight_sync_ms",
+    "perf/padded_frac", "perf/trainer_all_cores_frac", "guard/skipped_updates",
 ]
 
 

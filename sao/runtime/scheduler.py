@@ -1,8 +1,10 @@
 """Who runs what, on the trainer side of any backend: the task stream, pacing, re-issue, the audit.
 
 The trainer issues every episode as an `Assignment` with a run-unique id. Pacing (spec §6) is one
-global counter: at most `(batches_consumed + max_lag + 1) * B` episodes are in play (issued and not
-yet dropped), where a batch counts as consumed once the weights that follow it are published.
+global counter: at most `(batches_consumed + ahead + 1) * B` episodes are in play (issued and not
+yet dropped), where a batch counts as consumed once the weights that follow it are published, and
+`ahead` (runtime.issue_ahead, at most max_lag) is how many batches the rollout side may run ahead.
+When the trainer is the bottleneck every batch is `ahead` versions stale (docs/performance.md §6).
 This bounds the work in flight, not the lag of each episode: episodes finish out of order, so a
 long one can still end up more than `max_lag` versions old; the drop at dequeue
 (sao/runtime/queue.py) enforces the bound on what is trained, and counts what it drops.
@@ -66,9 +68,10 @@ class Audit:
 
 class Scheduler:
     def __init__(self, backend, tasks: TaskStream, audit: Audit, batch_size: int, max_lag: int,
-                 state: dict | None = None):
+                 state: dict | None = None, ahead: int | None = None):
         self.backend, self.tasks, self.audit = backend, tasks, audit
         self.batch_size, self.max_lag = batch_size, max_lag
+        self.ahead = max_lag if ahead is None else min(ahead, max_lag)
         state = state or {}
         self.issued = state.get("issued", 0)  # fresh assignments ever issued (re-issues not counted)
         self.consumed = state.get("consumed", 0)  # batches whose following weights are published
@@ -83,7 +86,7 @@ class Scheduler:
         self.start_failures: dict[int, int] = {}
 
     def room(self) -> int:
-        return (self.consumed + self.max_lag + 1) * self.batch_size - (self.issued - self.refunded)
+        return (self.consumed + self.ahead + 1) * self.batch_size - (self.issued - self.refunded)
 
     def fill(self, step: int) -> None:
         """Issue re-runs first, then fresh tasks while pacing allows; to the least-loaded worker, preferring

@@ -236,6 +236,12 @@ def _before_accuracy(trainer: Trainer) -> float:
     return float("nan")
 
 
+def issue_ahead(r) -> int:
+    """Batches the rollout side may run ahead of the trainer: runtime.issue_ahead, within max_lag, and
+    at least sync_every - 1 (pacing room only grows when weights are published)."""
+    return min(r.max_lag, max(r.issue_ahead, r.sync_every - 1))
+
+
 def train(cfg: Config, progress: RunProgress, resume: str | Path | None = None) -> RunResult:
     quiet_transformers()
     random.seed(cfg.train.seed)
@@ -252,7 +258,7 @@ def train(cfg: Config, progress: RunProgress, resume: str | Path | None = None) 
             backend = make_backend(cfg, str(trainer.model_path), trainer.limits)
             backend.start(list(trainer.actor.parameters()), trainer.learner.actor_version)
             trainer.scheduler = Scheduler(backend, trainer.tasks, trainer.audit, cfg.train.batch_size,
-                                          cfg.runtime.max_lag, trainer.sched_state)
+                                          cfg.runtime.max_lag, trainer.sched_state, ahead=issue_ahead(cfg.runtime))
             trainer.scheduler.fill(trainer.step)
         diff = parity_check(trainer.actor, engine_copy(trainer), trainer.codec, trainer.environment,  # step 2
                             trainer.limits, cfg.runtime.parity_tol, seed=cfg.train.seed)
