@@ -3,8 +3,10 @@
     python benchmarks/async_vs_sync.py [--steps 60] [--reps 3] [--variants after before] [key=value ...]
 
 For each variant and repetition, `sao train` runs once in `runtime.mode=sync` and once in
-`runtime.mode=async` with the same config and seed, the order alternating between repetitions (so a
-drift in machine load hits both modes alike). Variants:
+`runtime.mode=async` with the same config and seed (repetition r uses train.seed=r), the order
+alternating between repetitions (so a drift in machine load hits both modes alike). The runs double
+as a stability check on the default task (final reward, entropy, truncated fraction, lag, held-out
+accuracy per seed). Variants:
   after   the defaults (packed passes, adaptive trainer threads)
   before  `train.pack=false runtime.adaptive_threads=false` (padded passes, fixed 1+1 pinning)
 Per run: loop wall-clock (from the first step's start), steady wall (after step 1), the sync run's
@@ -69,6 +71,8 @@ def loop_stats(run_dir: str) -> dict:
         "worst_step_over_fit": worst,
         "trainer_all_cores_frac": statistics.mean(r.get("perf/trainer_all_cores_frac", 0.0) for r in steps),
         "reward_mean_last10": statistics.mean(r["reward/mean"] for r in steps[-10:]),
+        "entropy_last10": statistics.mean(r.get("actor/entropy", float("nan")) for r in steps[-10:]),
+        "truncated_frac_last10": statistics.mean(r["rollout/truncated_frac"] for r in steps[-10:]),
     }
 
 
@@ -87,9 +91,11 @@ def main() -> None:
         for variant in ns.variants:
             for mode in ("sync", "async") if rep % 2 == 0 else ("async", "sync"):
                 name = f"{variant}-{mode}-r{rep}-{stamp}"
-                cfg = load_config(None, [*common, *VARIANTS[variant], f"runtime.mode={mode}", f"output.name={name}"])
+                cfg = load_config(None, [*common, *VARIANTS[variant], f"runtime.mode={mode}", f"output.name={name}",
+                                         f"train.seed={rep}"])
                 res = train(cfg, RunProgress(enabled=sys.stderr.isatty()))
-                row = {"variant": variant, "mode": mode, "rep": rep, "run_dir": res.run_dir, **loop_stats(res.run_dir)}
+                row = {"variant": variant, "mode": mode, "rep": rep, "run_dir": res.run_dir,
+                       "heldout_accuracy": res.accuracy_after, **loop_stats(res.run_dir)}
                 runs.append(row)
                 print(json.dumps(row), flush=True)
     summary: dict = {"steps": ns.steps, "reps": ns.reps, "config_overrides": common, "variants": {}}
@@ -125,6 +131,12 @@ def main() -> None:
     for k in ("padded_frac", "train_s_per_1k_real_tokens", "r2_time_vs_real_tokens", "r2_time_vs_positions",
               "worst_step_over_fit", "trainer_all_cores_frac"):
         print(f"{k:<28}" + "".join(f"{summary['variants'][v]['mean_' + k]:>12.3f}" for v in ns.variants))
+    print(f"{'per run':<22}" + "".join(f"{c:>14}" for c in ("reward_last10", "entropy", "truncated", "lag",
+                                                               "heldout_acc")))
+    for r in runs:
+        print(f"{r['variant'] + ' ' + r['mode'] + ' s' + str(r['rep']):<22}" + "".join(
+            f"{r[c]:>14.3f}" for c in ("reward_mean_last10", "entropy_last10", "truncated_frac_last10", "lag_mean",
+                                       "heldout_accuracy")))
     print(f"results: {out}")
 
 
