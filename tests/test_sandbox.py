@@ -21,7 +21,7 @@ from textwrap import dedent
 
 import pytest
 
-from sao.sandbox import MECHANISMS, Limits, NamespaceSandbox, SandboxUnavailable, get_sandbox, judge, namespace
+from sao.sandbox import MECHANISMS, Limits, NamespaceSandbox, SandboxUnavailable, get_sandbox, hostlimits, judge, namespace
 
 PROJECT = Path(__file__).resolve().parents[1]
 AS_USER_ENV = "SAO_SANDBOX_SUITE_AS_USER"  # set in the copy of this suite that runs unprivileged
@@ -192,8 +192,8 @@ def test_common_stdlib_works_under_the_guard(mech):
 
 @mechanisms
 def test_an_infinite_loop_hits_the_cpu_limit(mech):
-    r = run("while True:\n    pass", ["assert True"], mech=mech)
-    assert r.status == "timeout" and "CPU time limit of 1 s" in r.reason, r
+    r = run("while True:\n    pass", ["assert True"], Limits(cpu_s=1, wall_s=15, memory_mb=256, max_procs=8), mech=mech)
+    assert r.status == "timeout" and "CPU time limit of 1 s" in r.reason, r  # wall room for a loaded machine
 
 
 @mechanisms
@@ -201,7 +201,7 @@ def test_a_hang_hits_the_wall_clock_and_keeps_earlier_credit(mech):
     limits = Limits(cpu_s=1, wall_s=2, memory_mb=256, max_procs=8, max_file_mb=4)
     r = run(ADD, ["assert add(1, 2) == 3", "import time\ntime.sleep(60)", "assert add(1, 1) == 2"], limits, mech=mech)
     assert (r.status, r.passed, r.total) == ("timeout", 1, 3), r
-    assert "wall-clock limit of 2 s exceeded (during test 2)" in r.reason and 2 <= r.duration_s < 3.5
+    assert "wall-clock limit of 2 s exceeded (during test 2)" in r.reason and 2 <= r.duration_s < 5
 
 
 @mechanisms
@@ -230,7 +230,7 @@ def test_memory_spread_over_processes_counts_for_the_run(mech):
 
 
 @mechanisms
-@pytest.mark.skipif(namespace._cgroup_parents() is None, reason="no cgroup of ours here (root with cgroup v1/v2 only)")
+@pytest.mark.skipif(hostlimits.cgroup_parents() is None, reason="no cgroup of ours here (root with cgroup v1/v2 only)")
 def test_a_cgroup_counts_the_tmpfs_and_every_process(mech):
     fill = "for i in range(60):\n    open(f'/sandbox/f{i}', 'wb').write(b'x' * (3 << 20))\n"  # 180 MB of tmpfs pages
     r = run(fill, ["assert True"], Limits(cpu_s=2, wall_s=8, memory_mb=64, max_procs=8, max_file_mb=64), mech=mech)
@@ -581,7 +581,7 @@ def test_async_runs_overlap_and_each_gets_its_own_verdict(mech):
 
     results, elapsed = asyncio.run(main())
     assert [r.status for r in results] == ["passed", "failed", "timeout", "forbidden"]
-    assert elapsed < 3.5  # concurrent: the 2 s timeout does not add up with the others
+    assert elapsed < 4.5  # concurrent: the 2 s timeout does not add up with the others
 
 
 # --- without root -------------------------------------------------------------------------------
