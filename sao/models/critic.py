@@ -30,6 +30,11 @@ def build_critic(actor_path: str | Path, dtype: torch.dtype = torch.float32):
 
 
 def load_critic(path: str | Path, dtype: torch.dtype = torch.float32):
+    """A saved critic, or any causal LM folder (e.g. a smaller model with the actor's tokenizer) given a
+    zero value head by build_critic."""
+    config = AutoConfig.from_pretrained(str(path))
+    if not any(a.endswith("ForTokenClassification") for a in (config.architectures or [])):
+        return build_critic(path, dtype)
     return AutoModelForTokenClassification.from_pretrained(str(path), dtype=dtype)
 
 

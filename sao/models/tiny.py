@@ -52,6 +52,11 @@ def build_tiny_model(
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """A causal LM from an HF folder; a LoRA adapter folder (sao/models/lora.py) loads onto its base, merged."""
+    from sao.models.lora import adapter_base, load_adapter_merged
+
+    if adapter_base(path) is not None:
+        return load_adapter_merged(path, lambda base: load_model(base, dtype))
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from sao.models.lora import is_peft, save_merged_model
 from sao.types import Trajectory
 
 
@@ -85,8 +86,11 @@ def save(trainer, tag: str, step: int) -> Path:
     final = run.path / "checkpoints" / tag
     tmp = final.with_name(tag + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    trainer.actor.save_pretrained(tmp / "actor")
+    trainer.actor.save_pretrained(tmp / "actor")  # a LoRA actor writes its adapter (sao/models/lora.py)
     trainer.codec.tokenizer.save_pretrained(tmp / "actor")
+    if trainer.cfg.model.lora.save_merged and is_peft(trainer.actor):
+        save_merged_model(trainer.actor, tmp / "actor_merged")
+        trainer.codec.tokenizer.save_pretrained(tmp / "actor_merged")
     if trainer.critic is not None:
         trainer.critic.save_pretrained(tmp / "critic")
         trainer.codec.tokenizer.save_pretrained(tmp / "critic")

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from sao.models.lora import engine_parameters  # merged weights for a LoRA actor
 from sao.runtime.queue import drop_reason, queue_age_s
 from sao.runtime.threads import AdaptiveThreads
 from sao.trainer.batch import collate
@@ -111,7 +112,7 @@ def run_async(trainer, backend) -> None:
             sched.consumed += trainer.unpublished
             trainer.unpublished = 0
         elif learner.actor_version % cfg.runtime.sync_every == 0:
-            sync_ms = backend.publish(list(trainer.actor.parameters()), learner.actor_version)
+            sync_ms = backend.publish(engine_parameters(trainer.actor), learner.actor_version)
             sched.consumed += trainer.unpublished
             trainer.unpublished = 0
         sched.fill(step)  # keep the workers busy while this step is logged (and the next trains)

@@ -38,7 +38,7 @@ def demo_example(codec: ChatCodec, messages: list[dict[str, str]]) -> Example:
 
 
 def base_model_key(cfg: Config) -> str:
-    blob = json.dumps({"fmt": SFT_FORMAT, "model": cfg.model.model_dump(exclude={"path", "cache_dir"}),
+    blob = json.dumps({"fmt": SFT_FORMAT, "model": cfg.model.model_dump(exclude={"path", "cache_dir", "lora"}),
                        "sft": cfg.sft.model_dump(), "env": cfg.env.model_dump()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

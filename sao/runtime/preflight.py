@@ -67,6 +67,9 @@ def preflight(cfg: Config, resume: bool = False):
     if cfg.critic.path and not (Path(cfg.critic.path) / "config.json").is_file():
         raise ConfigError(f"critic.path: {cfg.critic.path!r} is not a model folder (no config.json)")
     path = run_dir_path(cfg)
+    if resume and (cfg.model.lora.r or cfg.critic.lora.r):  # the checkpoint holds adapters, not what resume restores
+        raise ConfigError("model.lora.r: --resume of a LoRA run is not supported yet; start a new run from "
+                          "checkpoints/<tag>/actor_merged (model.lora.save_merged=true)")
     if not resume and path is not None and path.exists():
         raise ConfigError(f"output.name: run directory {str(path)!r} exists already; choose another name")
     return environment

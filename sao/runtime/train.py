@@ -32,6 +32,7 @@ from sao.engine.torch_engine import TorchEngine
 from sao.models.actor import sequence_logprobs
 from sao.models.chat import ChatCodec
 from sao.models.critic import build_critic, load_critic
+from sao.models.lora import engine_parameters, with_lora
 from sao.models.tiny import load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.rollout.agent_loop import EpisodeLimits, run_episode
@@ -128,7 +129,7 @@ def engine_copy(trainer: Trainer):
     """A fresh engine-side model loaded from disk, then given the trainer's weights as the one flat
     buffer every backend publishes."""
     model = load_model(trainer.model_path)
-    flat, offset = flatten(list(trainer.actor.parameters())), 0
+    flat, offset = flatten(engine_parameters(trainer.actor)), 0  # merged weights for a LoRA actor
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(flat[offset: offset + p.numel()].view_as(p))
@@ -152,11 +153,12 @@ class Trainer:
             self.run = RunDir.create(cfg)
             self.model_path, _ = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps))
         self.codec = ChatCodec(load_tokenizer(self.model_path))
-        self.actor = load_model(self.model_path)
+        self.actor = with_lora(load_model(self.model_path), cfg.model.lora)  # model.lora.r=0: the model itself
         self.critic = None
         if self.algo.uses_critic:
             critic_path = ckpt / "critic" if ckpt is not None else cfg.critic.path
-            self.critic = load_critic(critic_path) if critic_path else build_critic(self.model_path)
+            critic = load_critic(critic_path) if critic_path else build_critic(self.model_path)
+            self.critic = with_lora(critic, cfg.critic.lora, value_head=True)
         self.learner = Learner(self.actor, self.critic, self.algo, cfg.algo, cfg.critic, cfg.train)
         self.eval_tasks = self.environment.eval_tasks(cfg.eval.num_tasks)
         self.totals = {"dropped_stale": 0, "failed": 0, "wait_s": 0.0}
@@ -256,7 +258,7 @@ def train(cfg: Config, progress: RunProgress, resume: str | Path | None = None) 
     try:
         if cfg.runtime.mode == "async":  # the workers pay their start-up while steps 2-3 run
             backend = make_backend(cfg, str(trainer.model_path), trainer.limits)
-            backend.start(list(trainer.actor.parameters()), trainer.learner.actor_version)
+            backend.start(engine_parameters(trainer.actor), trainer.learner.actor_version)
             trainer.scheduler = Scheduler(backend, trainer.tasks, trainer.audit, cfg.train.batch_size,
                                           cfg.runtime.max_lag, trainer.sched_state, ahead=issue_ahead(cfg.runtime))
             trainer.scheduler.fill(trainer.step)

@@ -27,7 +27,9 @@ class SharedWeights:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, ctx=None) -> SharedWeights:
-        return cls([tuple(p.shape) for p in model.parameters()], ctx)
+        from sao.models.lora import engine_parameters  # a LoRA actor publishes merged weights
+
+        return cls([tuple(p.shape) for p in engine_parameters(model)], ctx)
 
     @property
     def version(self) -> int:
