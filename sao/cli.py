@@ -98,38 +98,12 @@ def cmd_sft(ns) -> int:
     return 0
 
 
-def _resolve_model(target: str) -> tuple[Path, Path | None]:
-    """A run directory (its final actor) or a model folder -> (model path, run config or None)."""
-    p = Path(target)
-    actor = p / "checkpoints" / "final" / "actor"
-    if (actor / "config.json").is_file() or (actor / "adapter_config.json").is_file():  # a model or a LoRA adapter
-        return actor, p / "config.yaml"
-    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
-        return p, None
-    raise ConfigError(f"{target!r}: neither a run directory with a final checkpoint nor a model folder")
-
-
 def cmd_eval(ns) -> int:
-    import torch
+    from sao.api import evaluate, resolve_model
 
-    from sao.envs import make_environment
-    from sao.models.chat import ChatCodec
-    from sao.models.tiny import load_model
-    from sao.models.tokenizer import load_tokenizer
-    from sao.runtime.evaluate import evaluate
-    from sao.runtime.train import limits_of
-    from sao.runtime.worker_host import quiet_transformers
-
-    model_path, run_cfg = _resolve_model(ns.target)
-    cfg = load_config(run_cfg, ns.args) if run_cfg else _config(ns.args)
-    quiet_transformers()
-    torch.set_num_threads(2)
-    environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
-    codec = ChatCodec(load_tokenizer(model_path))
-    res = evaluate(load_model(model_path), codec, environment, environment.eval_tasks(cfg.eval.num_tasks),
-                   limits_of(cfg), greedy=cfg.eval.greedy, seed=cfg.train.seed)
-    print(json.dumps({"model": str(model_path), "env": cfg.env.name, "n": res.n, "accuracy": res.accuracy,
-                      "greedy": cfg.eval.greedy, "statuses": res.statuses, **res.metrics}))
+    path, overrides = _split(ns.args)
+    _, run_cfg = resolve_model(ns.target)
+    print(json.dumps(evaluate(ns.target, *overrides, config=path or run_cfg)))
     return 0
 
 

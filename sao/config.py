@@ -208,6 +208,12 @@ class OutputConfig(Section):
     trajectories_every: int = Field(10, ge=1, description="write sample trajectories every this many steps")
     trajectories_per_dump: int = Field(4, ge=1, description="trajectories written per dump")
     progress: bool = Field(True, description="show a live progress bar")
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
+        default_factory=lambda: ["tensorboard"], description=(
+            "trackers that receive the metrics.jsonl rows (same names): tensorboard, wandb, trackio"))
+    project: str = Field("sao", description="wandb / trackio project name (the run name is the run directory's)")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description=(
+        "wandb writes RUN/wandb/ offline (wandb sync uploads it later); online needs a network and a login"))
 
 
 class Config(Section):
@@ -294,10 +300,14 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML file <- dotted overrides; raises ConfigError with a one-line message."""
+def load_config(path: str | Path | dict | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file (or a dict of sections, from Python) <- dotted overrides; raises ConfigError
+    with a one-line message."""
     tree: dict = {}
-    if path is not None:
+    origin = "file"
+    if isinstance(path, dict):
+        tree, origin, path = path, "api", None
+    elif path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r}: not found")
@@ -310,7 +320,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {str(p)!r}: top level must be a mapping")
     extra = parse_overrides(overrides or [])
-    sources = {**dict.fromkeys(_leaves(tree), "file"), **dict.fromkeys(_leaves(extra), "override")}
+    sources = {**dict.fromkeys(_leaves(tree), origin), **dict.fromkeys(_leaves(extra), "override")}
     try:
         cfg = Config(**_deep_merge(tree, extra))
     except ValidationError as exc:

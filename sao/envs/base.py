@@ -77,6 +77,25 @@ def register_environment(name: str, cls: type) -> type:
     return cls
 
 
+def portable_environment(name: str) -> bytes | None:
+    """A user environment registered in this process, pickled (cloudpickle: by value when its module
+    cannot be imported by name, e.g. a notebook or a script's __main__) for processes that start
+    without it; None for built-in environments and `module:Class` names."""
+    cls = _REGISTRY.get(name)
+    if cls is None or cls.__module__.startswith("sao."):
+        return None
+    import cloudpickle
+
+    return cloudpickle.dumps(cls)
+
+
+def install_environment(name: str, blob: bytes) -> None:
+    """Register, in this process, an environment class sent by `portable_environment`."""
+    import cloudpickle
+
+    register_environment(name, cloudpickle.loads(blob))
+
+
 def resolve_environment(name: str) -> type:
     """A registered name, or `module:Class` imported on demand."""
     if name in _REGISTRY:

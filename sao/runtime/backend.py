@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from sao.config import Config
+from sao.envs.base import portable_environment
 from sao.runtime.worker_host import WorkerSpec
 from sao.types import Assignment, Record
 
@@ -42,8 +43,10 @@ def worker_specs(cfg: Config, model_path: str, limits) -> list[WorkerSpec]:
     """One spec per worker; each has its own sampling seed (a restart bumps it, see `reseed`)."""
     r = cfg.runtime
     model_path = str(Path(model_path).resolve())  # a Ray worker does not share the trainer's working directory
+    env_class = portable_environment(cfg.env.name)  # a class passed to sao.train(env=...) travels by value
     return [WorkerSpec(i, model_path, cfg.env.name, cfg.env.options, cfg.train.seed + 1 + 1000 * i, limits,
-                       cfg.rollout.concurrency, r.rollout_threads, cfg.engine) for i in range(r.rollout_workers)]
+                       cfg.rollout.concurrency, r.rollout_threads, cfg.engine, env_class)
+            for i in range(r.rollout_workers)]
 
 
 def reseed(spec: WorkerSpec) -> WorkerSpec:

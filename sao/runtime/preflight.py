@@ -7,6 +7,7 @@ from pathlib import Path
 from sao.algo.registry import get_algorithm
 from sao.config import Config, ConfigError
 from sao.envs import make_environment
+from sao.runtime.trackers import check_trackers
 
 
 def model_path_of(cfg: Config) -> Path | None:
@@ -67,6 +68,7 @@ def preflight(cfg: Config, resume: bool = False):
     if cfg.critic.path and not (Path(cfg.critic.path) / "config.json").is_file():
         raise ConfigError(f"critic.path: {cfg.critic.path!r} is not a model folder (no config.json)")
     path = run_dir_path(cfg)
+    check_trackers(cfg)
     if resume and (cfg.model.lora.r or cfg.critic.lora.r):  # the checkpoint holds adapters, not what resume restores
         raise ConfigError("model.lora.r: --resume of a LoRA run is not supported yet; start a new run from "
                           "checkpoints/<tag>/actor_merged (model.lora.save_merged=true)")

@@ -3,7 +3,7 @@
     runs/<name>/
       config.yaml            resolved configuration
       metrics.jsonl          one row per optimizer step (namespaced keys), eval rows included
-      tb/                    TensorBoard event files with the same scalars
+      tb/                    TensorBoard event files with the same scalars (output.report_to: also wandb/, trackio)
       trajectories/          step_000010.txt (readable, action/observation split) + .jsonl (token level)
       checkpoints/<tag>/     actor/ and critic/ in HF format
       summary.json           before/after held-out accuracy and run totals
@@ -26,9 +26,9 @@ from sao.types import Trajectory
 
 
 class RunDir:
-    def __init__(self, path: Path):
-        self.path = path
-        self._tb = None
+    def __init__(self, path: Path, cfg: Config | None = None):
+        self.path, self.cfg = path, cfg
+        self._trackers = None  # output.report_to, started at the first row (sao/runtime/trackers.py)
 
     @classmethod
     def create(cls, cfg: Config) -> RunDir:
@@ -39,7 +39,7 @@ class RunDir:
         (path / "trajectories").mkdir(parents=True)
         (path / "checkpoints").mkdir()
         (path / "config.yaml").write_text(to_yaml(cfg))
-        return cls(path)
+        return cls(path, cfg)
 
     # -- metrics ----------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -47,19 +47,18 @@ class RunDir:
         row.update({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}) + "\n")
-        if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
+        if self._trackers is None:
+            from sao.runtime.trackers import make_trackers
 
-            self._tb = SummaryWriter(str(self.path / "tb"))
-        for k, v in row.items():
-            if k not in ("step", "time") and isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
-                self._tb.add_scalar(k, v, step)
+            self._trackers = make_trackers(self.path, self.cfg)
+        scalars = {k: v for k, v in row.items() if k not in ("step", "time")}
+        for tracker in self._trackers:
+            tracker.log(step, scalars)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.flush()
-            self._tb.close()
-            self._tb = None
+        for tracker in self._trackers or []:
+            tracker.close()
+        self._trackers = None
 
     # -- trajectories -----------------------------------------------------------------------
     def write_trajectories(self, step: int, trajs: list[Trajectory], decode, prefix: str = "step") -> None:

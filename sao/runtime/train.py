@@ -147,7 +147,7 @@ class Trainer:
         self.limits = limits_of(cfg)
         ckpt = checkpoint.latest(resume) if resume is not None else None
         if resume is not None:
-            self.run = RunDir(resume)
+            self.run = RunDir(resume, cfg)
             self.model_path = ckpt / "actor"
         else:
             self.run = RunDir.create(cfg)

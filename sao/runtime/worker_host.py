@@ -26,6 +26,7 @@ class WorkerSpec:
     concurrency: int  # episode slots
     threads: int  # torch intra-op threads
     engine: object = None  # EngineConfig (None: the built-in torch engine's defaults)
+    env_class: bytes | None = None  # a user environment class passed as an object (sao.envs.base.portable_environment)
 
 
 def quiet_transformers() -> None:
@@ -55,6 +56,10 @@ class WorkerHost:
 
         self.engine = make_engine(spec.engine or EngineConfig(), spec.model_path, pad_id=self.codec.tokenizer.pad_token_id,
                                   max_batch=spec.concurrency, seed=spec.seed, version=-1, weight_source=weight_source)
+        if spec.env_class is not None:
+            from sao.envs.base import install_environment
+
+            install_environment(spec.env_name, spec.env_class)
         self.environment = make_environment(spec.env_name, spec.env_options, spec.seed)
         self.inbox: asyncio.Queue | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
