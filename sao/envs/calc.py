@@ -75,6 +75,9 @@ class CalcOptions(SplitOptions, LatencyOptions):
     demo_calls: Literal["whole", "stepwise"] = Field(
         "whole", description="SFT demos call the tool once on the whole expression, or once per operation")
     eval_seed_offset: int = Field(1_000_003, description="held-out tasks are drawn with data_seed + this offset")
+    system_prompt: str = Field("", description=(
+        "a system message before each problem (empty: none); a pretrained chat model needs the tool and "
+        "answer format explained (examples/configs/smollm2_calc.yaml)"))
 
     @model_validator(mode="after")
     def _ranges(self) -> CalcOptions:
@@ -104,15 +107,20 @@ def stepwise_calls(operands: list[int], ops: list[str]) -> list[tuple[str, int]]
     return calls
 
 
+def with_system(system_prompt: str, messages: list[Message]) -> list[Message]:
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
+
+
 class CalcEpisode:
-    def __init__(self) -> None:
+    def __init__(self, system_prompt: str = "") -> None:
+        self.system_prompt = system_prompt
         self.answer: int | None = None
         self.tool_calls = 0
         self.tool_errors = 0
 
     def reset(self, task: Task) -> list[Message]:
         self.answer = int(task.answer)
-        return [{"role": "user", "content": task.prompt}]
+        return with_system(self.system_prompt, [{"role": "user", "content": task.prompt}])
 
     def step(self, action: str) -> StepResult:
         answer = _ANSWER.search(action)
@@ -177,13 +185,13 @@ class CalcEnvironment:
         return self._stream(self.seed, "train", heldout=False)
 
     def new_episode(self, ctx: EpisodeContext) -> CalcEpisode:
-        return with_latency(CalcEpisode(), self.options, self._latency_rng)
+        return with_latency(CalcEpisode(self.options.system_prompt), self.options, self._latency_rng)
 
     def demo(self, task: Task, rng: random.Random) -> list[Message]:
         """A solved episode for SFT: direct answer, or stepwise tool calls then the answer."""
         o = self.options
         rate = o.demo_tool_rate_easy if task.meta["easy"] else o.demo_tool_rate_hard
-        messages: list[Message] = [{"role": "user", "content": task.prompt}]
+        messages = with_system(o.system_prompt, [{"role": "user", "content": task.prompt}])
         if rng.random() < rate:
             calls = (stepwise_calls(task.meta["operands"], task.meta["ops"]) if o.demo_calls == "stepwise"
                      else [(task.prompt, task.answer)])
