@@ -305,6 +305,7 @@ def test_a_huge_file_hits_the_file_size_limit_and_leaves_nothing(mech):
     many = "for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * (3 << 20))"
     r = run(many, ["assert True"], mech=mech)
     assert r.status == "failed" and "No space left on device" in r.reason  # the directory is a 16 MB tmpfs
+    assert "(the sandbox's 16 MB of disk are full)" in r.reason
 
 
 @mechanisms
@@ -341,6 +342,7 @@ def test_a_fork_bomb_is_capped_by_the_os_layers_and_leaves_no_process(mech):
     assert r.status == "passed" and "forked" in r.output and 4 <= int(r.output.split()[-1]) <= 6, r
     r = run("import os\nwhile True:\n    os.fork()", ["assert True"], mech=mech, guard=False)
     assert r.status == "failed" and "BlockingIOError" in r.reason, r  # forks up to the cap, then fails
+    assert "(process limit of 8 reached)" in r.reason
     spinning = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     small = Limits(cpu_s=1, wall_s=2, memory_mb=256, max_procs=4, max_file_mb=4)
     r = run(spinning, ["assert True"], small, mech=mech, guard=False)  # never ends on its own

@@ -88,11 +88,21 @@ def _classify(run, tests, steps, forbidden, done, returncode, events, output) ->
         return "crashed", f"the program {how} before reporting {_title(missing or 'its end')}{hint}" + (
             f": {one_line(first[0])}" if first else "")
     if steps["solution"][0] != "ok":
-        return "failed", f"the solution failed: {one_line(steps['solution'][1])}"
+        return "failed", f"the solution failed: {one_line(steps['solution'][1])}" + _limit_hint(steps["solution"][1], lim)
     bad = [t for t in tests if not t.passed]
     if not bad:
         return "passed", f"all {total} tests passed"
-    return "failed", f"{len(bad)} of {total} tests failed; first: test {bad[0].index}: {bad[0].error}"
+    return "failed", f"{len(bad)} of {total} tests failed; first: test {bad[0].index}: {bad[0].error}" + _limit_hint(
+        bad[0].error, lim)
+
+
+def _limit_hint(error: str, lim) -> str:
+    """Limits that surface as an exception inside rather than a kill: say which."""
+    if error.startswith("BlockingIOError: [Errno 11]"):
+        return f" (process limit of {lim.max_procs} reached)"
+    if "No space left on device" in error:
+        return f" (the sandbox's {4 * lim.max_file_mb} MB of disk are full)"
+    return ""
 
 
 def run_cap_mb() -> int:
