@@ -3,7 +3,7 @@
     flock /tmp/bench.lock python benchmarks/sandbox_overhead.py --label after [--runs 30] [--batches 8]
     SAO_SANDBOX_MECHANISM=unshare ... --label after-unshare      # one mechanism (both versions read it)
 
-`--label before` measures the sandbox of a checkout older than `sao/sandbox/` (its
+`--impl old` measures the sandbox of a checkout older than `sao/sandbox/` (its
 `sao.envs.sandbox.run_tests`): run it with PYTHONPATH pointing at that checkout. Each label is
 merged into benchmarks/results/sandbox_overhead.json and the table of every label there is printed.
 Figures: median wall seconds of one run (sequential), and of a batch of 8 concurrent runs (asyncio).
@@ -26,20 +26,20 @@ TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]
 RESULTS = Path(__file__).resolve().parent / "results" / "sandbox_overhead.json"
 
 
-def _runner():
-    """(run, run_async, describe) for whichever sandbox this checkout has."""
-    try:
-        import sao.sandbox as box
-    except ImportError:  # the sandbox before sao/sandbox/ existed
+def _runner(impl: str):
+    """(run, run_async, describe) of the sandbox before sao/sandbox/ ("old") or of sao.sandbox ("new")."""
+    if impl == "old":  # an editable install may still reach the new package: ask for the old module by name
         from sao.envs import sandbox as old
         return (lambda: old.run_tests(ADD, TESTS), lambda: old.run_tests_async(ADD, TESTS),
                 lambda r: (r.status, r.mechanism))
+    import sao.sandbox as box
+
     sandbox = box.get_sandbox()
     return (lambda: sandbox.run(ADD, TESTS), lambda: sandbox.run_async(ADD, TESTS), lambda r: (r.status, r.mechanism))
 
 
-def measure(runs: int, batches: int) -> dict:
-    run, run_async, describe = _runner()
+def measure(runs: int, batches: int, impl: str) -> dict:
+    run, run_async, describe = _runner(impl)
     status, mechanism = describe(run())  # warm-up: probes the mechanism
     assert status == "passed", status
     single = []
@@ -68,9 +68,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--results", default=str(RESULTS), help="the JSON file to merge this label into")
+    parser.add_argument("--impl", choices=("old", "new"), default="new",
+                        help="old: sao.envs.sandbox of a checkout before sao/sandbox/ (on PYTHONPATH)")
     args = parser.parse_args()
     results = Path(args.results)
-    row = measure(args.runs, args.batches)
+    row = measure(args.runs, args.batches, args.impl)
     row.update(euid=os.geteuid(), cpus=os.cpu_count(), python=platform.python_version(),
                load_avg_1m=round(os.getloadavg()[0], 2), commit=_commit(),
                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
