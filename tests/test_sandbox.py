@@ -14,6 +14,7 @@ import pwd
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -593,6 +594,23 @@ def test_async_runs_overlap_and_each_gets_its_own_verdict(mech):
 TEST_USER = "sao-sandbox-test"
 
 
+def _expose(paths: list[str], spare: list[str]) -> str:
+    """Shell commands (run as root in a private mount namespace) that make `paths` reachable by others."""
+    keep: dict[str, set[str]] = {}
+    for path in map(Path, paths):
+        blocked = next((p for p in reversed(path.parents) if not os.stat(p).st_mode & 0o001), None)
+        if blocked is not None:
+            keep.setdefault(str(blocked), set()).add(path.relative_to(blocked).parts[0])
+    cmds = []
+    for blocked, children in keep.items():
+        pairs = [(f"{blocked}/{child}", tempfile.mkdtemp(prefix="sao-expose-")) for child in sorted(children)]
+        spare += [tmp for _, tmp in pairs]
+        cmds += [f"mount --bind {src} {tmp}" for src, tmp in pairs]
+        cmds.append(f"mount -t tmpfs -o mode=0755,size=1m tmpfs {blocked}")
+        cmds += [f"mkdir -p {src} && mount --bind {tmp} {src}" for src, tmp in pairs]
+    return "".join(f"{c} && " for c in cmds)
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or os.environ.get(AS_USER_ENV) == "1",
                     reason="needs root to create the unprivileged user; runs once, from the root suite")
 def test_the_suite_passes_as_an_unprivileged_user():
@@ -601,20 +619,18 @@ def test_the_suite_passes_as_an_unprivileged_user():
         pwd.getpwnam(TEST_USER)
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", TEST_USER], check=True)
-    python = os.path.realpath(sys.executable)
-    # The interpreter may live under a directory others cannot enter (pyenv in /root here): in a mount
-    # namespace of this command only, lay a world-enterable tmpfs over that directory and bind the
-    # interpreter's tree back.
-    prep = ""
-    blocked = next((str(p) for p in reversed(Path(python).parents) if not os.stat(p).st_mode & 0o001), None)
-    if blocked:
-        keep = str(Path(blocked) / Path(python).relative_to(blocked).parts[0])
-        prep = (f"mkdir -p /tmp/.sao-keep && mount --bind {keep} /tmp/.sao-keep && "
-                f"mount -t tmpfs -o mode=0755,size=1m tmpfs {blocked} && mkdir -p {keep} && "
-                f"mount --bind /tmp/.sao-keep {keep} && ")
+    # The interpreter, the venv or this checkout may live under a directory others cannot enter (pyenv
+    # in /root here; a CI clone in /root): in a mount namespace of this command only, lay a
+    # world-enterable tmpfs over that directory and bind back what the suite needs.
+    spare: list[str] = []
+    prep = _expose([os.path.realpath(sys.executable), sys.prefix, str(PROJECT)], spare)
     inner = (f"{prep}exec runuser -u {TEST_USER} -- env {AS_USER_ENV}=1 PYTHONPATH={PROJECT} HOME=/tmp "
              f"{sys.executable} -m pytest -q -x -p no:cacheprovider {PROJECT / 'tests' / 'test_sandbox.py'}")
-    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", inner], cwd="/tmp",
-                          capture_output=True, text=True, timeout=900)
+    try:
+        proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", inner], cwd="/tmp",
+                              capture_output=True, text=True, timeout=900)
+    finally:
+        for d in spare:
+            os.rmdir(d)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
