@@ -9,9 +9,10 @@ batches of B trajectories on the default task with the torch engine, then times,
     GRPO step once advantages are known);
   - sao: a full SAO step (critic forward+backward x K, the first forward doubling as v0; v2 no-grad
     forward; GAE twice; one actor forward+backward), with the learner's per-pass timers;
-for the padded batch (`train.pack=false`, the path before packing) and packed rows. Each timing is
-the median over `--repeats` passes over the batches, after one warm-up pass. Writes
-benchmarks/results/train_step.json and prints a table.
+for the padded batch (`train.pack=false`, the path before packing) and packed rows. The four
+configurations take turns batch by batch (a burst of load from other processes hits all alike), and
+each timing is the minimum over `--repeats` sweeps, after one warm-up sweep: on a shared machine the
+minimum is the least disturbed measurement. Writes benchmarks/results/train_step.json and a table.
 """
 
 from __future__ import annotations
@@ -54,27 +55,30 @@ def sample_batches(cfg, n: int):
     return model_path, codec, batches
 
 
-def time_steps(cfg, algo: str, pack: bool, model_path, pad_id: int, batches, repeats: int) -> dict:
-    """Median seconds per step (and per pass) over `repeats` sweeps of the batches; models are reset
-    to their start for every sweep so each sweep does the same work."""
-    actor0 = load_model(model_path)
-    critic0 = build_critic(model_path) if get_algorithm(algo).uses_critic else None
+def make_learner(cfg, algo: str, pack: bool, actor0, critic0) -> Learner:
     critic_cfg = cfg.critic.model_copy(update={"warmup_steps": 0})
     train_cfg = cfg.train.model_copy(update={"pack": pack})
-    per_batch: dict[str, list[list[float]]] = {}
+    critic = copy.deepcopy(critic0) if get_algorithm(algo).uses_critic else None
+    return Learner(copy.deepcopy(actor0), critic, get_algorithm(algo), cfg.algo, critic_cfg, train_cfg)
+
+
+def time_all(cfg, configs, model_path, pad_id: int, batches, repeats: int) -> dict:
+    """Per configuration and batch, the minimum over `repeats` sweeps of the step time and of each pass;
+    models restart from the same weights every sweep so each sweep does the same work."""
+    actor0, critic0 = load_model(model_path), build_critic(model_path)
+    keys = ["step_s", *PASSES, "perf/padded_frac", "perf/train_tokens", "perf/train_positions"]
+    best: dict[str, dict[str, list[float]]] = {name: {k: [float("inf")] * len(batches) for k in keys} for name in configs}
     for sweep in range(repeats + 1):  # sweep 0 warms up allocator and caches
-        learner = Learner(copy.deepcopy(actor0), copy.deepcopy(critic0), get_algorithm(algo), cfg.algo, critic_cfg,
-                          train_cfg)
+        learners = {name: make_learner(cfg, algo, pack, actor0, critic0) for name, (algo, pack) in configs.items()}
         for i, trajs in enumerate(batches):
-            t0 = time.perf_counter()
-            m = learner.step(collate(trajs, pad_id))
-            m["step_s"] = time.perf_counter() - t0
-            if sweep:
-                for k in ["step_s", *PASSES, "perf/padded_frac", "perf/train_tokens", "perf/train_positions"]:
-                    per_batch.setdefault(k, [[] for _ in batches])[i].append(m.get(k, 0.0))
-    out = {k: [statistics.median(v) for v in rows] for k, rows in per_batch.items()}
-    out["step_s_total"] = sum(out["step_s"])
-    return out
+            for name, learner in learners.items():  # configurations take turns
+                t0 = time.perf_counter()
+                m = learner.step(collate(trajs, pad_id))
+                m["step_s"] = time.perf_counter() - t0
+                if sweep:
+                    for k in keys:
+                        best[name][k][i] = min(best[name][k][i], m.get(k, 0.0))
+    return {name: {**rows, "step_s_total": sum(rows["step_s"])} for name, rows in best.items()}
 
 
 def main() -> None:
@@ -91,12 +95,14 @@ def main() -> None:
     model_path, codec, batches = sample_batches(cfg, ns.batches)
     torch.set_num_threads(ns.threads)
     pad = codec.tokenizer.pad_token_id
-    res = {f"{algo}_{'packed' if pack else 'padded'}": time_steps(cfg, algo, pack, model_path, pad, batches, ns.repeats)
-           for algo, pack in itertools.product(("running_mean", "sao"), (False, True))}
+    configs = {f"{algo}_{'packed' if pack else 'padded'}": (algo, pack)
+               for algo, pack in itertools.product(("running_mean", "sao"), (False, True))}
+    res = time_all(cfg, configs, model_path, pad, batches, ns.repeats)
     summary = {
         "threads": ns.threads, "batches": ns.batches, "repeats": ns.repeats, "batch_size": cfg.train.batch_size,
         "real_tokens": res["sao_padded"]["perf/train_tokens"],
         "padded_frac": {k: statistics.mean(v["perf/padded_frac"]) for k, v in res.items()},
+        "statistic": "minimum over repeats per batch; configurations interleaved",
         "sao_over_one_pass_padded": res["sao_padded"]["step_s_total"] / res["running_mean_padded"]["step_s_total"],
         "sao_over_one_pass_packed": res["sao_packed"]["step_s_total"] / res["running_mean_packed"]["step_s_total"],
         "sao_packed_over_padded": res["sao_packed"]["step_s_total"] / res["sao_padded"]["step_s_total"],
