@@ -8,7 +8,8 @@ alternating between repetitions (so a drift in machine load hits both modes alik
 as a stability check on the default task (final reward, entropy, truncated fraction, lag, held-out
 accuracy per seed). Variants:
   after   the defaults (packed passes, adaptive trainer threads)
-  before  `train.pack=false runtime.adaptive_threads=false` (padded passes, fixed 1+1 pinning)
+  before  `train.pack=false runtime.adaptive_threads=false runtime.issue_ahead=2` (padded passes, fixed
+          1+1 pinning, the rollout side running max_lag=2 batches ahead)
 Per run: loop wall-clock (from the first step's start), steady wall (after step 1), the sync run's
 generation-only and training-only totals, the share of padded positions, train-step seconds per
 real token, and how well step time follows real tokens (r^2 of a linear fit on real tokens and on
@@ -30,7 +31,7 @@ from sao.config import load_config
 from sao.runtime.progress import RunProgress
 from sao.runtime.train import train
 
-VARIANTS = {"after": [], "before": ["train.pack=false", "runtime.adaptive_threads=false"]}
+VARIANTS = {"after": [], "before": ["train.pack=false", "runtime.adaptive_threads=false", "runtime.issue_ahead=2"]}
 
 
 def _fit(x: list[float], y: list[float]) -> tuple[float, float, float]:
@@ -80,12 +81,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--eval-tasks", type=int, default=50, help="held-out tasks evaluated before and after")
     ap.add_argument("--variants", nargs="+", default=["after", "before"], choices=list(VARIANTS))
     ap.add_argument("--out", default="benchmarks/results/async_vs_sync.json")
     ap.add_argument("overrides", nargs="*")
     ns = ap.parse_args()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    common = [f"train.steps={ns.steps}", "eval.every=0", "eval.num_tasks=50", "output.root=runs/bench", *ns.overrides]
+    common = [f"train.steps={ns.steps}", "eval.every=0", f"eval.num_tasks={ns.eval_tasks}", "output.root=runs/bench",
+              *ns.overrides]
     runs: list[dict] = []
     for rep in range(ns.reps):
         for variant in ns.variants:

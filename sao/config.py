@@ -152,9 +152,10 @@ class RuntimeConfig(Section):
     max_lag: int = Field(2, ge=0, description=(
         "staleness bound in policy versions: trajectories older than this are dropped at dequeue; pacing "
         "keeps at most (max_lag + 1) batches in flight"))
-    issue_ahead: int = Field(2, ge=0, description=(
+    issue_ahead: int = Field(1, ge=0, description=(
         "batches the rollout side may run ahead of the trainer (capped by max_lag, at least sync_every - 1); "
-        "when the trainer is the bottleneck every batch is this many versions stale"))
+        "when the trainer is the bottleneck every batch is this many versions stale, and one batch ahead "
+        "already keeps it fed (docs/performance.md)"))
     sync_every: int = Field(1, ge=1, description="publish weights every this many actor steps (<= max_lag + 1)")
     rollout_threads: int = Field(1, ge=1, description="torch intra-op threads of each rollout worker")
     trainer_threads: int = Field(1, ge=1, description="torch intra-op threads of the trainer")
