@@ -67,3 +67,18 @@ def test_demos_are_solved_episodes():
     assert [m["content"] for m in msgs[1:]] == [
         "<calc>37*12</calc>", "<result>444</result>", "<calc>5+444</calc>", "<result>449</result>", "<answer>449</answer>"]
     assert stepwise_calls([2, 3], ["-"]) == [("2-3", -1)]
+
+
+def test_system_prompt_option_leads_every_episode_and_demo():
+    import random
+
+    from sao.envs import make_environment
+    from sao.envs.base import EpisodeContext
+
+    env = make_environment("calc", {"system_prompt": "Use <answer> tags."}, seed=0)
+    task = next(env.train_tasks())
+    messages = env.new_episode(EpisodeContext(0, 0)).reset(task)
+    assert messages[0] == {"role": "system", "content": "Use <answer> tags."} and messages[1]["role"] == "user"
+    assert env.demo(task, random.Random(0))[0]["role"] == "system"
+    plain = make_environment("calc", {}, seed=0)
+    assert plain.new_episode(EpisodeContext(0, 0)).reset(task)[0]["role"] == "user"  # default: no system message
