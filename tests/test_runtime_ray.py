@@ -24,7 +24,8 @@ def test_train_on_the_ray_backend(tmp_path, ray_address):
     run = tmp_path / "runs" / "ray"
     steps = [r for r in _rows(run) if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    assert not [k for k in REQUIRED if k not in set().union(*steps)]
+    local_only = {"perf/trainer_all_cores_frac"}  # adaptive threads lend the local workers' cores (loop.py)
+    assert not [k for k in REQUIRED if k not in set().union(*steps) and k not in local_only]
     assert [r["step"] for r in _rows(run) if "eval/accuracy" in r] == [0, 2, 4]
     assert all(r["async/lag_max"] <= 1 for r in steps)
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
