@@ -116,3 +116,16 @@ def test_issue_ahead_paces_fewer_batches_than_max_lag_allows(tmp_path):
     sched.consumed += 1
     sched.fill(1)
     assert len(backend.got[0]) == 6
+
+
+def test_a_worker_that_keeps_dying_before_reporting_stops_the_run(tmp_path):
+    import pytest
+
+    from sao.runtime.scheduler import WorkerCrashLoop
+
+    sched, _ = scheduler(tmp_path, workers=2)
+    q = TrajectoryQueue()
+    sched.handle([WorkerLost(0, "exit 1")], q, 0)
+    sched.handle([WorkerLost(0, "exit 1")], q, 0)  # died again before reporting: still retried
+    with pytest.raises(WorkerCrashLoop, match="rollout worker 0 died 3 times in a row .*exit 1"):
+        sched.handle([WorkerLost(0, "exit 1")], q, 0)
