@@ -1,4 +1,4 @@
-"""The baselines of spec §7 with values derived by hand in the comments: group advantage, PPO clip
+"""The baselines of docs/algorithm.md §7 with values derived by hand in the comments: group advantage, PPO clip
 with ratios away from 1, the prompt-keyed running mean, step-level GAE, whole-group queueing, and
 the combinations preflight refuses."""
 

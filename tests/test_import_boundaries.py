@@ -54,7 +54,7 @@ def test_module_respects_its_boundaries(path):
 
 
 def test_the_sandbox_imports_only_the_standard_library():
-    """design.md: sao/sandbox is stdlib only (it runs where the trainer's packages may not exist)."""
+    """docs/architecture.md §2: sao/sandbox is stdlib only (it runs where the trainer's packages may not exist)."""
     import sys
 
     files = sorted((ROOT / "sandbox").glob("*.py"))

@@ -1,5 +1,5 @@
 """Packed rows (sao/trainer/packing.py) against the padded batch: same log-probs, values, losses and
-gradients (reference-vs-fast equivalence, style.md rule 12), and no attention across trajectories."""
+gradients (reference-vs-fast equivalence, docs/architecture.md §7), and no attention across trajectories."""
 
 import pytest
 import torch

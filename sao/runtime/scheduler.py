@@ -1,6 +1,6 @@
 """Who runs what, on the trainer side of any backend: the task stream, pacing, re-issue, the audit.
 
-The trainer issues every episode as an `Assignment` with a run-unique id. Pacing (spec §6) is one
+The trainer issues every episode as an `Assignment` with a run-unique id. Pacing (docs/algorithm.md §6) is one
 global counter: at most `(batches_consumed + ahead + 1) * B` episodes are in play (issued and not
 yet dropped), where a batch counts as consumed once the weights that follow it are published, and
 `ahead` (runtime.issue_ahead, at most max_lag) is how many batches the rollout side may run ahead.
