@@ -1,5 +1,9 @@
 """Online learning (paper §4.5): SAO vs the running-mean baseline on `style_shift`.
 
+Superseded by `sao bench online` (benchmarks/experiments/online.yaml: the same variants, seeds and
+recovery rule, plus the shared results.json / results.md / curves.png format); kept because its
+per-phase stable-reward figures and plot are still referenced by the README's measured numbers.
+
     python benchmarks/style_shift.py [--steps 300] [--seeds 0 1 2] [--recover-at 0.8] [key=value ...]
 
 Both algorithms run with the same seeds, model, tasks and budget; the running-mean baseline uses the
