@@ -2,6 +2,7 @@
 each model pass inside it (docs/performance.md).
 
     python benchmarks/train_step.py [--batches 6] [--repeats 3] [key=value ...]
+    python benchmarks/train_step.py --flops [--batches 4]     # FLOPs per pass: no timing, no load effects
 
 Builds the run's starting policy (the cached SFT warm start of `sao train`), samples `--batches`
 batches of B trajectories on the default task with the torch engine, then times, on each batch:
@@ -32,7 +33,7 @@ from sao.config import load_config
 from sao.engine.torch_engine import TorchEngine
 from sao.envs import make_environment
 from sao.models.chat import ChatCodec
-from sao.models.critic import build_critic
+from sao.models.critic import build_critic, freeze_parameters
 from sao.models.tiny import load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.runtime.model_setup import prepare_base_model
@@ -81,11 +82,68 @@ def time_all(cfg, configs, model_path, pad_id: int, batches, repeats: int) -> di
     return {name: {**rows, "step_s_total": sum(rows["step_s"])} for name, rows in best.items()}
 
 
+def pass_flops(cfg, model_path, pad_id: int, trajs, pack: bool) -> dict[str, float]:
+    """FLOPs (torch.utils.flop_counter) of each model pass of a step on one batch: deterministic, so
+    unaffected by other processes on the machine."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from sao.algo.losses import dis_policy_loss, value_loss
+    from sao.trainer.packing import actor_logprobs, critic_forward
+    from sao.trainer.packing import pack as pack_rows
+
+    actor, critic = load_model(model_path), build_critic(model_path)
+    if cfg.critic.freeze_attention:  # as the learner does: no weight gradients for q/k/v/o
+        freeze_parameters(critic, cfg.critic.freeze_pattern)
+    batch = collate(trajs, pad_id)
+    if pack:
+        batch.packing = pack_rows(batch.input_ids, batch.attention_mask)
+    mask = batch.action_mask
+    out = {}
+    with FlopCounterMode(display=False) as fc:  # one critic update: forward with grad + backward
+        value_loss(critic_forward(critic, batch), torch.zeros_like(mask), mask)[0].backward()
+    out["critic_update"] = fc.get_total_flops()
+    with FlopCounterMode(display=False) as fc, torch.inference_mode():  # v2
+        critic_forward(critic, batch)
+    out["critic_v2"] = fc.get_total_flops()
+    with FlopCounterMode(display=False) as fc:  # the actor step
+        logprobs, _ = actor_logprobs(actor, batch)
+        dis_policy_loss(logprobs, batch.behavior_logprobs, torch.ones_like(mask), mask, 0.3, 5.0)[0].backward()
+    out["actor_update"] = fc.get_total_flops()
+    k = cfg.critic.updates_per_step
+    out["sao_step"] = k * out["critic_update"] + out["critic_v2"] + out["actor_update"]
+    out["one_pass_step"] = out["actor_update"]
+    return out
+
+
+def flops_main(ns, cfg, model_path, pad: int, batches) -> None:
+    res = {name: [pass_flops(cfg, model_path, pad, trajs, pack) for trajs in batches]
+           for name, pack in (("padded", False), ("packed", True))}
+    tot = {name: {k: sum(r[k] for r in rows) for k in rows[0]} for name, rows in res.items()}
+    summary = {
+        "batches": ns.batches, "batch_size": cfg.train.batch_size, "per_batch": res, "total": tot,
+        "sao_over_one_pass_padded": tot["padded"]["sao_step"] / tot["padded"]["one_pass_step"],
+        "sao_over_one_pass_packed": tot["packed"]["sao_step"] / tot["packed"]["one_pass_step"],
+        "sao_packed_over_padded": tot["packed"]["sao_step"] / tot["padded"]["sao_step"],
+        "sao_packed_over_one_pass_padded": tot["packed"]["sao_step"] / tot["padded"]["one_pass_step"],
+    }
+    out = Path(ns.out.replace(".json", "_flops.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    print(f"{'GFLOP per step (sum of ' + str(len(batches)) + ' batches)':<40}{'padded':>12}{'packed':>12}")
+    for k in ("critic_update", "critic_v2", "actor_update", "sao_step", "one_pass_step"):
+        print(f"{k:<40}{tot['padded'][k] / 1e9:>12.2f}{tot['packed'][k] / 1e9:>12.2f}")
+    for k in ("sao_over_one_pass_padded", "sao_over_one_pass_packed", "sao_packed_over_padded",
+              "sao_packed_over_one_pass_padded"):
+        print(f"{k:<40}{summary[k]:>12.2f}")
+    print(f"results: {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--flops", action="store_true", help="count FLOPs per pass instead of timing")
     ap.add_argument("--out", default="benchmarks/results/train_step.json")
     ap.add_argument("overrides", nargs="*")
     ns = ap.parse_args()
@@ -95,6 +153,8 @@ def main() -> None:
     model_path, codec, batches = sample_batches(cfg, ns.batches)
     torch.set_num_threads(ns.threads)
     pad = codec.tokenizer.pad_token_id
+    if ns.flops:
+        return flops_main(ns, cfg, model_path, pad, batches)
     configs = {f"{algo}_{'packed' if pack else 'padded'}": (algo, pack)
                for algo, pack in itertools.product(("running_mean", "sao"), (False, True))}
     res = time_all(cfg, configs, model_path, pad, batches, ns.repeats)
