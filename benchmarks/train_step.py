@@ -119,8 +119,13 @@ def flops_main(ns, cfg, model_path, pad: int, batches) -> None:
     res = {name: [pass_flops(cfg, model_path, pad, trajs, pack) for trajs in batches]
            for name, pack in (("padded", False), ("packed", True))}
     tot = {name: {k: sum(r[k] for r in rows) for k in rows[0]} for name, rows in res.items()}
+    tokens = [sum(len(t.token_ids) for t in trajs) for trajs in batches]
+    per_token = {name: [r["sao_step"] / n for r, n in zip(rows, tokens)] for name, rows in res.items()}
+    # cost per real token against the median: a step whose cost follows its real tokens stays near 1
+    spread = {name: max(v) / statistics.median(v) for name, v in per_token.items()}
     summary = {
         "batches": ns.batches, "batch_size": cfg.train.batch_size, "per_batch": res, "total": tot,
+        "real_tokens": tokens, "sao_flops_per_real_token": per_token, "max_over_median_per_real_token": spread,
         "sao_over_one_pass_padded": tot["padded"]["sao_step"] / tot["padded"]["one_pass_step"],
         "sao_over_one_pass_packed": tot["packed"]["sao_step"] / tot["packed"]["one_pass_step"],
         "sao_packed_over_padded": tot["packed"]["sao_step"] / tot["padded"]["sao_step"],
@@ -135,6 +140,7 @@ def flops_main(ns, cfg, model_path, pad: int, batches) -> None:
     for k in ("sao_over_one_pass_padded", "sao_over_one_pass_packed", "sao_packed_over_padded",
               "sao_packed_over_one_pass_padded"):
         print(f"{k:<40}{summary[k]:>12.2f}")
+    print(f"{'max / median SAO FLOPs per real token':<40}{spread['padded']:>12.2f}{spread['packed']:>12.2f}")
     print(f"results: {out}")
 
 
