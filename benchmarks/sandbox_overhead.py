@@ -7,6 +7,7 @@
 `sao.envs.sandbox.run_tests`): run it with PYTHONPATH pointing at that checkout. Each label is
 merged into benchmarks/results/sandbox_overhead.json and the table of every label there is printed.
 Figures: median wall seconds of one run (sequential), and of a batch of 8 concurrent runs (asyncio).
+The committed results hold the measured passes and a "note" on the conditions they ran in.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def main() -> None:
     results.write_text(json.dumps(table, indent=2) + "\n")
     print(f"{'label':<24}{'mechanism':<34}{'single median s':>16}{'8 concurrent batch s':>22}{'load 1m':>9}")
     for label, r in table.items():
+        if not isinstance(r, dict):
+            continue  # the "note"
         print(f"{label:<24}{r['mechanism']:<34}{r['single_median_s']:>16.3f}{r['concurrent8_batch_median_s']:>22.3f}"
               f"{r['load_avg_1m']:>9.2f}")
 

@@ -228,7 +228,10 @@ class _Run:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-            self._cleanup()
+            if self.cgroups:  # removing a cgroup may wait for the kernel: not on the event loop
+                await asyncio.to_thread(self._cleanup)
+            else:
+                self._cleanup()
 
     async def _supervise(self, proc, read_fd: int, start: float) -> Verdict:
         loop = asyncio.get_running_loop()
