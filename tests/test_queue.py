@@ -129,3 +129,29 @@ def test_a_worker_that_keeps_dying_before_reporting_stops_the_run(tmp_path):
     sched.handle([WorkerLost(0, "exit 1")], q, 0)  # died again before reporting: still retried
     with pytest.raises(WorkerCrashLoop, match="rollout worker 0 died 3 times in a row .*exit 1"):
         sched.handle([WorkerLost(0, "exit 1")], q, 0)
+
+
+def test_trainer_bound_run_trains_every_batch_issue_ahead_versions_stale(tmp_path):
+    """Why issue 12's async batches were all max_lag stale: a worker that finishes every episode at once
+    (the trainer is the bottleneck) fills the queue as far as pacing allows, so in steady state each
+    trained batch is exactly `ahead` versions old. One batch ahead (the default) keeps the trainer fed
+    and halves the lag of max_lag=2."""
+    def steady_lags(ahead, steps=8, batch_size=2, max_lag=2):
+        tasks = TaskStream(Task(f"t{i}", "p") for i in itertools.count())
+        backend = Recorder(1)
+        sched = Scheduler(backend, tasks, Audit(tmp_path / f"audit{ahead}.jsonl"), batch_size, max_lag, ahead=ahead)
+        queue, version, seen, lags = TrajectoryQueue(), 0, 0, []
+        for step in range(1, steps + 1):
+            sched.fill(step - 1)
+            for item in backend.got[0][seen:]:  # generated at once with the published weights
+                queue.put(Trajectory(item.id, item.task.id, [1, 2, 3], [0, 1, 1], [0.0] * 3, [-1, version, version], 1))
+            seen = len(backend.got[0])
+            batch, dropped = queue.get_batch(batch_size, version, max_lag)
+            assert len(batch) == batch_size and not dropped  # the trainer never waits, nothing is dropped
+            lags.append(max(t.lag(version) for t in batch))
+            version += 1  # train, publish
+            sched.consumed += 1
+        return lags[-4:]
+
+    assert steady_lags(ahead=2) == [2, 2, 2, 2]  # the old pacing: (consumed + max_lag + 1) * B in play
+    assert steady_lags(ahead=1) == [1, 1, 1, 1]
