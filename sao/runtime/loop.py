@@ -89,7 +89,10 @@ def adaptive_threads(trainer, backend) -> AdaptiveThreads | None:
     r = trainer.cfg.runtime
     if not r.adaptive_threads or r.backend != "local":
         return None
-    return AdaptiveThreads(trainer, backend, r.trainer_threads, r.trainer_threads + r.rollout_threads * r.rollout_workers)
+    idle = r.trainer_threads + r.rollout_threads * r.rollout_workers
+    trainer.progress.log(f"threads: trainer {r.trainer_threads} while episodes are in flight, {idle} while none is "
+                         f"(runtime.adaptive_threads); each rollout worker {r.rollout_threads}")
+    return AdaptiveThreads(trainer, backend, r.trainer_threads, idle)
 
 
 def run_async(trainer, backend) -> None:
