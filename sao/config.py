@@ -42,7 +42,9 @@ class ModelConfig(Section):
     arch: Literal["llama", "qwen2"] = Field("llama", description="built-in tiny model architecture")
     hidden_size: int = Field(96, ge=8, description="built-in model width")
     num_layers: int = Field(2, ge=1, description="built-in model depth")
-    num_heads: int = Field(4, ge=1, description="built-in model attention heads")
+    num_heads: int = Field(3, ge=1, description=(
+        "built-in model attention heads; head_dim = hidden_size / num_heads = 32 by default, a size vLLM's CPU "
+        "attention accepts (it rejects e.g. 24), so the default model runs on both engines"))
     intermediate_size: int = Field(256, ge=8, description="built-in model MLP width")
     max_positions: int = Field(512, ge=32, description="built-in model context length")
     cache_dir: str = Field(".sao_cache", description="where built and SFT-warm-started models are cached")

