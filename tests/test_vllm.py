@@ -202,6 +202,7 @@ def test_sao_train_with_vllm_survives_a_killed_server(tmp_path):
     proc.wait()
     time.sleep(1)
     assert proc.returncode == 0, out.get("stderr", "")[-3000:]
+    print(out.get("stdout", "")[-800:])
     assert killed is not None and restarted is not None
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert max(r["step"] for r in rows if "reward/mean" in r) == 6

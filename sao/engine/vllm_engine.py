@@ -53,7 +53,7 @@ class VLLMEngine:
                  weight_source: WeightSource | None = None):
         from sao.models.tiny import load_model
 
-        self.cfg, self.model_path, self.seed = cfg, str(model_path), seed
+        self.cfg, self.model_path, self.seed = cfg, str(Path(model_path).resolve()), seed
         self.version, self.weight_source = version, weight_source
         # the weights the server holds, in the model's parameter order (what WeightSource.load_into fills)
         self.model = load_model(self.model_path)
@@ -71,6 +71,7 @@ class VLLMEngine:
         self._restart_lock = asyncio.Lock()
         self.server = None
         self._closed = False
+        self._restarting = False
         atexit.register(self.shutdown)
         if cfg.url:
             self.url = cfg.url.rstrip("/")
@@ -232,19 +233,23 @@ class VLLMEngine:
     # -- failures ---------------------------------------------------------------------------
     async def _ensure_server(self) -> None:
         """Restart a server sao started that has exited, then give it the current weights."""
-        if self.server is None or self.server.alive():
+        if self.server is None or (self.server.alive() and not self._restarting):
             return
-        async with self._restart_lock:
+        async with self._restart_lock:  # requests wait here while another one restarts the server
             if self.server.alive():
                 return
             if self.stats["restarts"] >= self.cfg.max_restarts:
                 raise EngineError(f"vLLM server died {self.stats['restarts'] + 1} times "
                                   f"(engine.max_restarts={self.cfg.max_restarts}): {self.server.log_tail()}")
             self.stats["restarts"] += 1
-            self.server.stop()
-            self.server.start()  # from the event-loop thread: the server's parent-death signal follows this thread
-            await asyncio.to_thread(self.server.wait_healthy, self.cfg.startup_timeout_s)
-            await asyncio.to_thread(self._restore)
+            self._restarting = True
+            try:
+                self.server.stop()
+                self.server.start()  # from the event-loop thread: the server's parent-death signal follows it
+                await asyncio.to_thread(self.server.wait_healthy, self.cfg.startup_timeout_s)
+                await asyncio.to_thread(self._restore)
+            finally:
+                self._restarting = False
 
     def _restore(self) -> None:
         if self.cfg.weight_transport == "ipc":
