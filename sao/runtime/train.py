@@ -28,6 +28,7 @@ import torch
 
 from sao.algo.registry import get_algorithm
 from sao.config import Config
+from sao.device import autocast, resolve_device, resolve_dtype, to_device
 from sao.engine.torch_engine import TorchEngine
 from sao.models.actor import sequence_logprobs
 from sao.models.chat import ChatCodec
@@ -105,18 +106,18 @@ def usable_batch(engine, environment, codec, tasks, limits, n: int, trainer_step
 
 
 def parity_check(trainer_model, engine_model, codec, environment, limits, tol: float, n: int = 16,
-                 seed: int = 0) -> float:
+                 seed: int = 0, dtype: torch.dtype = torch.float32) -> float:
     """Max |engine log-prob - trainer log-prob| over sampled action tokens; raises above `tol`.
 
     The engine model is a separate instance that received the trainer's weights through the same
     transport the rollout process uses, so the check covers weight transfer as well as numerics.
     """
-    engine = TorchEngine(engine_model, codec.tokenizer.pad_token_id, max_batch=n, seed=seed)
+    engine = TorchEngine(engine_model, codec.tokenizer.pad_token_id, max_batch=n, seed=seed, dtype=dtype)
     tasks = itertools.cycle(environment.eval_tasks(n))  # a small held-out set may hold fewer than n
     trajs = [t for t in generate_batch(engine, environment, codec, tasks, limits, n, SamplingParams())
              if t.num_action_tokens]
-    batch = collate(trajs, codec.tokenizer.pad_token_id)
-    with torch.no_grad():
+    batch = to_device(collate(trajs, codec.tokenizer.pad_token_id), next(trainer_model.parameters()).device)
+    with torch.no_grad(), autocast(batch.input_ids.device, dtype):
         logprobs = sequence_logprobs(trainer_model, batch.input_ids, batch.attention_mask)
     diff = float(((logprobs - batch.behavior_logprobs).abs() * batch.action_mask).max())
     if not diff <= tol:
@@ -128,7 +129,7 @@ def parity_check(trainer_model, engine_model, codec, environment, limits, tol: f
 def engine_copy(trainer: Trainer):
     """A fresh engine-side model loaded from disk, then given the trainer's weights as the one flat
     buffer every backend publishes."""
-    model = load_model(trainer.model_path)
+    model = load_model(trainer.model_path).to(trainer.device)
     flat, offset = flatten(engine_parameters(trainer.actor)), 0  # merged weights for a LoRA actor
     with torch.no_grad():
         for p in model.parameters():
@@ -153,13 +154,15 @@ class Trainer:
             self.run = RunDir.create(cfg)
             self.model_path, _ = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps))
         self.codec = ChatCodec(load_tokenizer(self.model_path))
-        self.actor = with_lora(load_model(self.model_path), cfg.model.lora)  # model.lora.r=0: the model itself
+        # engine.device / engine.dtype: the trainer and the torch engines run there (sao/device.py)
+        self.device, self.dtype = resolve_device(cfg.engine.device), resolve_dtype(cfg.engine.dtype)
+        self.actor = with_lora(load_model(self.model_path).to(self.device), cfg.model.lora)  # lora.r=0: the model itself
         self.critic = None
         if self.algo.uses_critic:
             critic_path = ckpt / "critic" if ckpt is not None else cfg.critic.path
             critic = load_critic(critic_path) if critic_path else build_critic(self.model_path)
-            self.critic = with_lora(critic, cfg.critic.lora, value_head=True)
-        self.learner = Learner(self.actor, self.critic, self.algo, cfg.algo, cfg.critic, cfg.train)
+            self.critic = with_lora(critic.to(self.device), cfg.critic.lora, value_head=True)
+        self.learner = Learner(self.actor, self.critic, self.algo, cfg.algo, cfg.critic, cfg.train, dtype=self.dtype)
         self.eval_tasks = self.environment.eval_tasks(cfg.eval.num_tasks)
         self.totals = {"dropped_stale": 0, "failed": 0, "wait_s": 0.0}
         self.step, self.unpublished, self.queue = 0, 0, make_queue(self.algo, cfg)  # whole groups for grpo
@@ -263,7 +266,7 @@ def train(cfg: Config, progress: RunProgress, resume: str | Path | None = None) 
                                           cfg.runtime.max_lag, trainer.sched_state, ahead=issue_ahead(cfg.runtime))
             trainer.scheduler.fill(trainer.step)
         diff = parity_check(trainer.actor, engine_copy(trainer), trainer.codec, trainer.environment,  # step 2
-                            trainer.limits, cfg.runtime.parity_tol, seed=cfg.train.seed)
+                            trainer.limits, cfg.runtime.parity_tol, seed=cfg.train.seed, dtype=trainer.dtype)
         trainer.run.log(trainer.step, {"parity/max_abs_diff": diff})
         before = trainer.evaluate(0) if trainer.step == 0 else _before_accuracy(trainer)  # step 3
         progress.start_training(cfg.train.steps)

@@ -32,6 +32,7 @@ from sao.algo.gae import length_adaptive_lambda, skip_observation_gae, step_leve
 from sao.algo.losses import dis_policy_loss, ppo_clip_loss, value_loss
 from sao.algo.registry import Algorithm
 from sao.config import AlgoConfig, CriticConfig, TrainConfig
+from sao.device import autocast, to_device
 from sao.models.critic import freeze_parameters
 from sao.trainer.batch import Batch
 from sao.trainer.packing import actor_logprobs, critic_forward, pack
@@ -55,8 +56,10 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim
 
 class Learner:
     def __init__(self, actor, critic, algo: Algorithm, algo_cfg: AlgoConfig, critic_cfg: CriticConfig,
-                 train_cfg: TrainConfig):
+                 train_cfg: TrainConfig, dtype: torch.dtype = torch.float32):
         self.actor, self.critic, self.algo = actor.train(), critic, algo
+        # the models' device; bf16 = autocast over the float32 master weights the optimizers update (sao/device.py)
+        self.device, self.dtype = next(actor.parameters()).device, dtype
         self.algo_cfg, self.critic_cfg, self.train_cfg = algo_cfg, critic_cfg, train_cfg
         self.actor_opt = adamw(actor, train_cfg.lr, train_cfg.weight_decay)
         self.critic_opt = None
@@ -93,7 +96,8 @@ class Learner:
 
     def _packed(self, batch: Batch) -> Batch:
         if self.train_cfg.pack and batch.packing is None:
-            batch.packing = pack(batch.input_ids, batch.attention_mask)
+            # planned on the CPU (per-row Python loop), then moved to the batch's device
+            batch.packing = to_device(pack(batch.input_ids.cpu(), batch.attention_mask.cpu()), batch.input_ids.device)
         return batch
 
     def _values(self, batch: Batch) -> torch.Tensor:
@@ -148,7 +152,8 @@ class Learner:
                                    f"expected algo.group_size={self.algo_cfg.group_size}")
             adv = group_advantages(batch.scalar_rewards, batch.group_ids)
         else:  # keyed by the prompt's content: a per-draw id would never fill its window
-            adv = torch.tensor(self.running_mean.advantages(batch.scalar_rewards.tolist(), batch.prompt_keys))
+            adv = torch.tensor(self.running_mean.advantages(batch.scalar_rewards.tolist(), batch.prompt_keys),
+                               device=batch.action_mask.device)
         return adv[:, None] * batch.action_mask  # every action token of a trajectory
 
     def _apply(self, opt: torch.optim.Optimizer, loss: torch.Tensor, clip: float) -> float | None:
@@ -179,6 +184,10 @@ class Learner:
                 f"(train.max_nonfinite_steps={limit}); stopping. Check the rewards, or lower train.lr/critic.lr")
 
     def step(self, batch: Batch) -> dict[str, float]:
+        with autocast(self.device, self.dtype):
+            return self._step(to_device(batch, self.device))
+
+    def _step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
         mask = batch.action_mask
         self.skipped_in_step = 0

@@ -41,7 +41,7 @@ class Packing:
         """Shifted (R, L) outputs (token t from position t-1) -> (B, T), zero on padding and at t=0 as
         in the padded path; differentiable."""
         out = x.reshape(-1)[self.index]
-        return torch.where(self.valid, out, torch.zeros((), dtype=x.dtype))
+        return torch.where(self.valid, out, x.new_zeros(()))
 
 
 def plan_rows(lengths: list[int], capacity: int) -> list[list[int]]:
