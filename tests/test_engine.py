@@ -114,11 +114,12 @@ def test_a_failing_forward_pass_fails_the_waiting_requests(tiny):
 
 
 def _multi_turn(engine, codec, n_episodes=4, turns=3, seed_obs="<result>{}</result>"):
-    """n concurrent episodes of `turns` turns each (staggered), observations appended between turns."""
-    params = SamplingParams(max_new_tokens=12)
+    """n concurrent episodes of `turns` turns each, observations appended between turns. Turns of different
+    lengths stagger the episodes deterministically (no wall-clock sleeps: the same seed must give the same
+    batches), so later turns join a batch that is mid-decode."""
 
     async def episode(i):
-        await asyncio.sleep(0.001 * i)
+        params = SamplingParams(max_new_tokens=6 + 5 * i)
         ids = codec.prompt_ids([{"role": "user", "content": "7*6+" * (i % 3 + 1)}])
         actions = []
         for t in range(turns):
