@@ -82,3 +82,18 @@ def test_system_prompt_option_leads_every_episode_and_demo():
     assert env.demo(task, random.Random(0))[0]["role"] == "system"
     plain = make_environment("calc", {}, seed=0)
     assert plain.new_episode(EpisodeContext(0, 0)).reset(task)[0]["role"] == "user"  # default: no system message
+
+
+def test_accept_untagged_judges_a_plain_reply_by_its_last_integer():
+    from sao.envs import make_environment
+    from sao.envs.base import EpisodeContext
+
+    env = make_environment("calc", {"accept_untagged": True}, seed=0)
+    task = next(env.train_tasks())
+    ep = env.new_episode(EpisodeContext(0, 0))
+    ep.reset(task)
+    res = ep.step(f"The value of {task.prompt} is {task.answer}.")
+    assert res.done and res.reward == 1.0
+    strict = make_environment("calc", {}, seed=0).new_episode(EpisodeContext(0, 0))
+    strict.reset(task)
+    assert not strict.step(f"The answer is {task.answer}.").done  # default: tags required, an error observation

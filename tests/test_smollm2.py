@@ -51,4 +51,4 @@ def test_a_few_sao_steps_with_lora_through_the_recipe(smollm2_dir, tmp_path):
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
     assert (run / "checkpoints" / "final" / "actor" / "adapter_config.json").is_file()
     trajectories = (run / "trajectories" / "step_000001.txt").read_text()
-    assert "<|im_start|>system\nSolve the arithmetic problem." in trajectories  # its own chat template
+    assert "<|im_start|>system\nCompute the value of the arithmetic expression" in trajectories  # its own chat template

@@ -31,6 +31,7 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _MAX_ABS = 10**12
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+_INTEGER = re.compile(r"-?\d+")
 
 
 class CalcError(ValueError):
@@ -78,6 +79,9 @@ class CalcOptions(SplitOptions, LatencyOptions):
     system_prompt: str = Field("", description=(
         "a system message before each problem (empty: none); a pretrained chat model needs the tool and "
         "answer format explained (examples/configs/smollm2_calc.yaml)"))
+    accept_untagged: bool = Field(False, description=(
+        "a reply with neither <answer> nor <calc> ends the episode and is judged by its last integer "
+        "(\"The answer is 9.\"): a small pretrained chat model rarely uses tags at first"))
 
     @model_validator(mode="after")
     def _ranges(self) -> CalcOptions:
@@ -112,8 +116,8 @@ def with_system(system_prompt: str, messages: list[Message]) -> list[Message]:
 
 
 class CalcEpisode:
-    def __init__(self, system_prompt: str = "") -> None:
-        self.system_prompt = system_prompt
+    def __init__(self, system_prompt: str = "", accept_untagged: bool = False) -> None:
+        self.system_prompt, self.accept_untagged = system_prompt, accept_untagged
         self.answer: int | None = None
         self.tool_calls = 0
         self.tool_errors = 0
@@ -132,6 +136,11 @@ class CalcEpisode:
             info = {"tool_calls": self.tool_calls, "tool_errors": self.tool_errors, "correct": float(correct)}
             return StepResult("", 1.0 if correct else 0.0, True, info)
         call = _CALL.search(action)
+        numbers = _INTEGER.findall(action)
+        if call is None and self.accept_untagged and numbers:
+            correct = int(numbers[-1]) == self.answer
+            info = {"tool_calls": self.tool_calls, "tool_errors": self.tool_errors, "correct": float(correct)}
+            return StepResult("", 1.0 if correct else 0.0, True, info)
         self.tool_calls += 1
         if call is None:
             self.tool_errors += 1
@@ -185,7 +194,8 @@ class CalcEnvironment:
         return self._stream(self.seed, "train", heldout=False)
 
     def new_episode(self, ctx: EpisodeContext) -> CalcEpisode:
-        return with_latency(CalcEpisode(self.options.system_prompt), self.options, self._latency_rng)
+        episode = CalcEpisode(self.options.system_prompt, self.options.accept_untagged)
+        return with_latency(episode, self.options, self._latency_rng)
 
     def demo(self, task: Task, rng: random.Random) -> list[Message]:
         """A solved episode for SFT: direct answer, or stepwise tool calls then the answer."""
