@@ -32,3 +32,65 @@ def test_gate_refuses_when_engine_and_trainer_disagree(tiny, tiny_model_dir):
     env = make_environment("calc", {}, seed=0)
     with pytest.raises(ParityError, match="refusing to train"):
         parity_check(model, engine_model, codec, env, EpisodeLimits(max_action_tokens=12), tol=1e-4)
+
+
+def _engine_batch(model, engine_model, codec, n=8):
+    """n calc episodes sampled by a torch engine on `engine_model`, collated for the learner."""
+    from sao.engine.torch_engine import TorchEngine
+    from sao.runtime.train import generate_batch
+    from sao.trainer.batch import collate
+    from sao.types import SamplingParams
+
+    env = make_environment("calc", {}, seed=0)
+    engine = TorchEngine(engine_model, codec.tokenizer.pad_token_id, max_batch=n, seed=0)
+    trajs = generate_batch(engine, env, codec, iter(env.eval_tasks(n)), EpisodeLimits(max_action_tokens=12), n,
+                           SamplingParams())
+    return collate([t for t in trajs if t.num_action_tokens], codec.tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("algo", ["sao", "vapo"])
+def test_live_parity_on_tokens_of_the_current_weights(tiny, tiny_model_dir, algo):
+    """Every actor step reports engine vs trainer on the tokens sampled with the weights it holds:
+    numerical noise for a faithful engine (DIS and PPO paths alike), nothing once weights moved on."""
+    from sao.algo.registry import get_algorithm
+    from sao.config import AlgoConfig, CriticConfig, TrainConfig
+    from sao.models.critic import build_critic
+    from sao.trainer.learner import Learner
+
+    model, codec = tiny
+    batch = _engine_batch(model, model, codec)
+    critic = build_critic(tiny_model_dir) if get_algorithm(algo).uses_critic else None
+    learner = Learner(model, critic, get_algorithm(algo), AlgoConfig(), CriticConfig(warmup_steps=0),
+                      TrainConfig(lr=1e-3))
+    m = learner.step(batch)
+    assert m["parity/live_tokens"] == float(batch.action_mask.sum())
+    assert m["parity/live_max_abs_diff"] <= 1e-4
+    assert learner.actor_version == 1
+    assert "parity/live_max_abs_diff" not in learner.step(batch)  # version-0 tokens, version-1 weights
+
+
+def test_live_parity_sees_an_engine_on_other_weights(tiny, tiny_model_dir):
+    """The check the vLLM engine is gated by in `sao train`: an engine whose weights drifted (a botched
+    transfer, a stale tied head) shows up on the first step, and the run refuses to go on."""
+    from types import SimpleNamespace
+
+    from sao.algo.registry import get_algorithm
+    from sao.config import AlgoConfig, CriticConfig, TrainConfig, load_config
+    from sao.models.critic import build_critic
+    from sao.runtime.train import Trainer
+    from sao.trainer.learner import Learner
+
+    model, codec = tiny
+    engine_model = load_model(tiny_model_dir)
+    with torch.no_grad():
+        engine_model.model.layers[0].mlp.up_proj.weight.mul_(1.1)
+    batch = _engine_batch(model, engine_model, codec)
+    learner = Learner(model, build_critic(tiny_model_dir), get_algorithm("sao"), AlgoConfig(),
+                      CriticConfig(warmup_steps=0), TrainConfig(lr=1e-3))
+    m = learner.step(batch)
+    assert m["parity/live_max_abs_diff"] > 1e-3
+    trainer = SimpleNamespace(cfg=load_config(None, ["engine.name=vllm"]))
+    with pytest.raises(ParityError, match="engine.name=vllm .* refusing to train on"):
+        Trainer._check_live_parity(trainer, m)
+    torch_trainer = SimpleNamespace(cfg=load_config(None, []))  # gated at step 2 instead
+    Trainer._check_live_parity(torch_trainer, m)

@@ -195,6 +195,7 @@ class Trainer:
         self.step = step
         metrics.update(rollout_metrics(batch, version))
         metrics.update(extra)
+        self._check_live_parity(metrics)
         metrics["async/dropped_stale_total"] = self.totals["dropped_stale"]
         metrics["async/failed_episodes_total"] = self.totals["failed"]
         metrics["train/actor_version"] = self.learner.actor_version
@@ -209,6 +210,18 @@ class Trainer:
 
     def save(self, tag: str) -> Path:
         return checkpoint.save(self, tag, self.step)
+
+    def _check_live_parity(self, metrics: dict) -> None:
+        """The step-2 gate runs the torch engine; another engine (vLLM) is gated here instead, on the
+        first batch holding tokens it sampled with the weights the trainer holds (usually step 1)."""
+        diff = metrics.get("parity/live_max_abs_diff")
+        if diff is None or self.cfg.engine.name == "torch" or getattr(self, "_live_parity_checked", False):
+            return
+        self._live_parity_checked = True
+        if not diff <= self.cfg.runtime.parity_tol:
+            raise ParityError(f"parity gate: engine.name={self.cfg.engine.name} and trainer log-probs differ by "
+                              f"{diff:.2e} on {int(metrics['parity/live_tokens'])} tokens of the same weights "
+                              f"> runtime.parity_tol={self.cfg.runtime.parity_tol:g}; refusing to train on")
 
 
 class _Signals:
@@ -269,6 +282,9 @@ def train(cfg: Config, progress: RunProgress, resume: str | Path | None = None) 
                             trainer.limits, cfg.runtime.parity_tol, seed=cfg.train.seed, dtype=trainer.dtype)
         trainer.run.log(trainer.step, {"parity/max_abs_diff": diff})
         before = trainer.evaluate(0) if trainer.step == 0 else _before_accuracy(trainer)  # step 3
+        if backend is None and cfg.engine.name != "torch":
+            progress.log(f"runtime.mode=sync generates with the trainer's own model (torch engine); "
+                         f"engine.name={cfg.engine.name} serves the async rollout workers")
         progress.start_training(cfg.train.steps)
         run_async(trainer, backend) if backend is not None else run_sync(trainer)  # step 4
     except Interrupted:

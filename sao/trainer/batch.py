@@ -29,6 +29,7 @@ class Batch:
     prompt_keys: list[str]  # a digest of the prompt's token ids: the same prompt drawn twice, the same key
     group_ids: list[str]  # the group key: task ids are unique per draw, shared by a group's G rollouts
     packing: Packing | None = None  # None: model passes run on the padded (B, T) batch
+    versions: torch.Tensor | None = None  # (B, T) long: the policy version that sampled each token, -1 elsewhere
 
     @property
     def size(self) -> int:
@@ -46,6 +47,7 @@ class Batch:
             self.input_ids[idx], self.attention_mask[idx], self.action_mask[idx], self.behavior_logprobs[idx],
             self.rewards[idx], self.scalar_rewards[idx], self.num_action_tokens[idx],
             [self.task_ids[i] for i in pick], [self.prompt_keys[i] for i in pick], [self.group_ids[i] for i in pick],
+            versions=None if self.versions is None else self.versions[idx],
         )
 
 
@@ -57,12 +59,15 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
     action_mask = torch.zeros((B, T))
     behavior = torch.zeros((B, T))
     rewards = torch.zeros((B, T))
+    versions = torch.full((B, T), -1, dtype=torch.long)
     for i, t in enumerate(trajectories):
         n = len(t.token_ids)
         input_ids[i, :n] = torch.tensor(t.token_ids)
         attention_mask[i, :n] = 1
         action_mask[i, :n] = torch.tensor(t.action_mask, dtype=torch.float32)
         behavior[i, :n] = torch.tensor(t.behavior_logprobs)
+        if len(t.token_versions) == n:
+            versions[i, :n] = torch.tensor(t.token_versions, dtype=torch.long)
         last = max(p for p, m in enumerate(t.action_mask) if m)  # reward on the last action token
         rewards[i, last] = t.reward
     return Batch(
@@ -76,6 +81,7 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
         task_ids=[t.task_id for t in trajectories],
         prompt_keys=[prompt_key(t) for t in trajectories],
         group_ids=[t.task_id for t in trajectories],
+        versions=versions,
     )
 
 

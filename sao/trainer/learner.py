@@ -223,6 +223,7 @@ class Learner:
         else:
             with torch.no_grad():  # pi_old, once per batch: the extra forward pass DIS avoids
                 old_logprobs, _ = actor_logprobs(self.actor, self._packed(batch))
+            live = self._live_parity(old_logprobs, batch)
             gen = torch.Generator().manual_seed(self.train_cfg.seed * 1_000_003 + self.steps_done)
             rows = []
             for _ in range(cfg.ppo_epochs):
@@ -231,8 +232,22 @@ class Learner:
             metrics = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
             metrics["ppo/clipfrac_max"] = max(r["ppo/clipfrac"] for r in rows)
             metrics["ppo/updates"] = float(len(rows))
+            metrics.update(live)
         self.actor_version += metrics.pop("applied") > 0  # weights unchanged when every update was skipped
         return metrics
+
+    def _live_parity(self, logprobs: torch.Tensor, batch: Batch) -> dict[str, float]:
+        """Engine vs trainer on the tokens the engine sampled with the weights the trainer holds now
+        (version == actor_version): max |log-prob difference|, which should stay at numerical noise.
+        A live parity check on the engine that actually ran (vLLM included) and on its weight transport."""
+        if batch.versions is None:
+            return {}
+        on = batch.action_mask.bool() & (batch.versions == self.actor_version)
+        n = int(on.sum())
+        if not n:
+            return {}
+        diff = torch.where(on, (logprobs.float() - batch.behavior_logprobs.float()).abs(), 0.0).max()
+        return {"parity/live_max_abs_diff": float(diff), "parity/live_tokens": float(n)}
 
     def _update(self, batch: Batch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None) -> dict[str, float]:
         """One actor optimizer step on `batch`: DIS (old_logprobs None) or PPO clip against pi_old."""
@@ -241,6 +256,7 @@ class Learner:
         if old_logprobs is None:
             loss, metrics = dis_policy_loss(logprobs, batch.behavior_logprobs, advantages, mask,
                                             cfg.eps_low, cfg.eps_high)
+            metrics.update(self._live_parity(logprobs.detach(), batch))
         else:
             loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, mask, cfg.ppo_eps_low, cfg.ppo_eps_high)
             rollout_ratio = torch.exp(torch.where(mask.bool(), logprobs.detach() - batch.behavior_logprobs, 0.0))
