@@ -2,11 +2,16 @@
 
     python benchmarks/engine.py [--episodes 64] [--concurrency 32] [--engines torch torch_noreuse generate vllm]
                                 [--model DIR] [--out benchmarks/results/engine.json] [key=value ...]
+                                [--workload scripted --turns 6 --action-tokens 24 --observation-tokens 96]
 
 The workload is what the rollout worker runs: `calc` episodes (the default config's tasks, up to
 rollout.max_turns turns, the model calling the calculator and reading its result) driven by the real
 agent loop, `--concurrency` episodes in flight. The model is the default run's starting policy (the
-cached SFT warm start, built if missing) unless --model is given. Engines:
+cached SFT warm start, built if missing) unless --model is given. The built-in policy answers most
+`calc` tasks in one or two turns; `--workload scripted` runs what long tool-using episodes look like
+to an engine instead: exactly --turns turns per episode, each appending --observation-tokens of tool
+output, so the conversation grows every turn (the prefill that cross-turn reuse saves grows with it).
+Engines:
   torch           the built-in engine with each episode's KV cache kept across turns (the default)
   torch_noreuse   the same engine re-prefilling the whole conversation every turn (engine.kv_reuse=false)
   generate        `transformers` `model.generate` on left-padded batches of the turns waiting at that
@@ -23,6 +28,7 @@ import argparse
 import asyncio
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -131,6 +137,41 @@ def run_workload(engine, environment, codec, tasks, limits, concurrency: int) ->
             "failed": sum(t.status.value not in ("ok", "truncated") for t in trajs)}
 
 
+def run_scripted(engine, codec, prompts: list[list[int]], turns: int, action_tokens: int, observation: list[int],
+                 concurrency: int) -> dict:
+    """Long agentic episodes as the engine sees them: every episode runs exactly `turns` turns, each
+    sampling up to `action_tokens` tokens and then appending the same tool observation, so the
+    conversation grows by action + observation every turn whatever the (random) model writes."""
+    params = SamplingParams(stop_token_ids=(codec.eos_id,))
+
+    async def main():
+        queue, done = list(enumerate(prompts)), []
+
+        async def slot():
+            while queue:
+                i, ids = queue.pop(0)
+                ids, sampled = list(ids), 0
+                for _ in range(turns):
+                    gen = await engine.generate(ids, replace(params, max_new_tokens=action_tokens), session=f"s{i}")
+                    ids += gen.token_ids + observation
+                    sampled += len(gen.token_ids)
+                engine.release(f"s{i}")
+                done.append((sampled, len(ids)))
+
+        t0 = time.perf_counter()
+        try:
+            await asyncio.gather(*(slot() for _ in range(concurrency)))
+        finally:
+            await engine.close()
+        return done, time.perf_counter() - t0
+
+    done, wall = asyncio.run(main())
+    tokens = sum(d[0] for d in done)
+    return {"episodes": len(done), "wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
+            "episodes_per_s": round(len(done) / wall, 3), "turns_mean": float(turns),
+            "final_context_mean": round(sum(d[1] for d in done) / len(done), 1)}
+
+
 def build(name: str, cfg, model_path: Path, pad_id: int, concurrency: int, seed: int):
     if name == "generate":
         return GenerateEngine(load_model(model_path), pad_id, seed)
@@ -146,6 +187,11 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", default=["torch", "torch_noreuse", "generate", "vllm"])
     ap.add_argument("--model", default=None, help="model folder (default: the default run's SFT starting policy)")
     ap.add_argument("--out", default="benchmarks/results/engine.json")
+    ap.add_argument("--workload", choices=["calc", "scripted"], default="calc",
+                    help="calc: the real agent loop; scripted: exactly --turns turns per episode")
+    ap.add_argument("--turns", type=int, default=6, help="scripted: turns per episode")
+    ap.add_argument("--action-tokens", type=int, default=24, help="scripted: max sampled tokens per turn")
+    ap.add_argument("--observation-tokens", type=int, default=96, help="scripted: tool-output tokens per turn")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as in a rollout worker
@@ -160,11 +206,19 @@ def main() -> None:
     environment = make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)
     stream = environment.train_tasks()
     tasks = [next(stream) for _ in range(args.episodes)]  # the same episodes for every engine
+    prompts = [codec.prompt_ids(environment.new_episode(EpisodeContext(0, 0)).reset(t)) for t in tasks]
+    tool_output = "result: " + " ".join(str(7919 * k % 10007) for k in range(64))  # a long tool output
+    wrapper = len(codec.observation_ids(""))  # the tool turn's role markers
+    observation = codec.observation_ids(tool_output[: max(args.observation_tokens - wrapper, 1)])
     rows = {}
     for name in args.engines:
         engine = build(name, cfg, model_path, codec.tokenizer.pad_token_id, args.concurrency, cfg.train.seed)
         try:
-            rows[name] = run_workload(engine, environment, codec, tasks, limits_of(cfg), args.concurrency)
+            if args.workload == "scripted":
+                rows[name] = run_scripted(engine, codec, prompts, args.turns, args.action_tokens, observation,
+                                          args.concurrency)
+            else:
+                rows[name] = run_workload(engine, environment, codec, tasks, limits_of(cfg), args.concurrency)
             for k in ("prefill_tokens", "reused_tokens"):
                 if k in getattr(engine, "stats", {}):
                     rows[name][k] = int(engine.stats[k])
@@ -172,11 +226,14 @@ def main() -> None:
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
         print(name, rows[name], flush=True)
-    result = {"model": str(model_path), "episodes": args.episodes, "concurrency": args.concurrency,
-              "max_turns": cfg.rollout.max_turns, "threads": 1, "engines": rows}
+    result = {"model": str(model_path), "workload": args.workload, "episodes": args.episodes,
+              "concurrency": args.concurrency, "max_turns": cfg.rollout.max_turns, "threads": 1, "engines": rows}
+    if args.workload == "scripted":
+        result.update(turns=args.turns, action_tokens=args.action_tokens, observation_tokens=len(observation))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    cols = ["wall_s", "tokens", "tokens_per_s", "episodes_per_s", "turns_mean", "prefill_tokens", "reused_tokens"]
+    cols = ["wall_s", "tokens", "tokens_per_s", "episodes_per_s", "turns_mean", "final_context_mean", "prefill_tokens",
+            "reused_tokens"]
     print("| engine | " + " | ".join(cols) + " |")
     print("|" + "---|" * (len(cols) + 1))
     for name, r in rows.items():

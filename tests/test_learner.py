@@ -118,6 +118,12 @@ def test_non_finite_loss_skips_the_update_and_too_many_in_a_row_stop_the_run(tin
     m = learner.step(good)  # a finite step resets the run of skipped steps
     assert m["guard/skipped_updates"] == 0 and learner.actor_version == 1 and learner.critic_version == 2
     learner.step(bad)
+    resumed = Learner(model, critic, get_algorithm("sao"), AlgoConfig(), CriticConfig(warmup_steps=0),
+                      TrainConfig(lr=1e-3, max_nonfinite_steps=2))
+    resumed.load_guard_state(learner.guard_state())  # what a checkpoint carries (sao/runtime/checkpoint.py)
+    assert resumed.guard_state() == {"skipped_total": 6, "consecutive_skipped": 1}
+    with pytest.raises(NonFiniteError, match="train.max_nonfinite_steps=2"):
+        resumed.step(bad)  # the run of skipped steps goes on counting across a resume
     with pytest.raises(NonFiniteError, match="train.max_nonfinite_steps=2"):
         learner.step(bad)
 

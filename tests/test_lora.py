@@ -73,3 +73,36 @@ def test_lora_run_with_a_smaller_lora_critic_keeps_the_parity_gate(tmp_path):
                         capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert 0.0 <= json.loads(ev.stdout.strip().splitlines()[-1])["accuracy"] <= 1.0
+    # --resume: adapters, value head and optimizer states come back on the same base model; 2 more steps
+    res = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--resume", str(run), "train.steps=5", "--quiet"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/actor_version"] for r in rows if "reward/mean" in r] == [0, 1, 2, 3, 4]
+    state = torch.load(final / "trainer_state.pt", weights_only=False)
+    # Adam's step count runs over the whole run: restored, not rebuilt (a new optimizer would say 2)
+    assert state["actor_opt"]["state"][0]["step"] == state["actor_version"] == 4
+    assert state["critic_opt"]["state"][0]["step"] == state["critic_version"]
+    assert json.loads((final / "actor" / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_a_saved_lora_critic_comes_back_with_its_adapters_and_value_head(tiny_model_dir, tmp_path):
+    """What `sao pretrain-critic critic.lora.r=...` saves and `critic.path=` (or --resume) loads: the same
+    adapter and value-head weights, trainable, on the base model the adapter names."""
+    from sao.config import LoraSettings
+    from sao.models.critic import build_critic
+    from sao.models.lora import load_lora_critic, with_lora
+
+    critic = with_lora(build_critic(tiny_model_dir), LoraSettings(r=2), value_head=True)
+    with torch.no_grad():
+        for p in critic.parameters():
+            if p.requires_grad:  # adapters and the value head's trainable copy: give them non-trivial values
+                p.add_(torch.randn_like(p))
+    critic.save_pretrained(tmp_path / "critic")
+    back = load_lora_critic(tmp_path / "critic")
+    want = {n: p for n, p in critic.named_parameters() if p.requires_grad}
+    got = {n: p for n, p in back.named_parameters() if p.requires_grad}
+    assert want.keys() == got.keys() and any("score" in n for n in got)
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(critic(input_ids=ids).logits, back(input_ids=ids).logits)

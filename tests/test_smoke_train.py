@@ -131,3 +131,20 @@ def test_pretrain_critic_then_train_from_it(async_run):
     proc = _sao("train", *TINY, "train.steps=1", "eval.every=0", "critic.path=critics/c", "output.name=pre",
                 "--quiet", cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_pretrain_a_lora_critic_then_train_from_its_adapter(async_run):
+    """critic.lora in `sao pretrain-critic` trains adapters plus the value head and saves an adapter
+    folder; `sao train critic.path=` trains on from it (tests/test_lora.py checks the weights come back)."""
+    from safetensors.torch import load_file
+
+    cwd, _, _ = async_run
+    proc = _sao("pretrain-critic", *TINY, "critic.lora.r=2", "--steps", "3", "--out", "critics/lora", "--quiet", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = cwd / "critics" / "lora"
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 2 and not (out / "model.safetensors").exists()
+    assert any("score" in k for k in load_file(out / "adapter_model.safetensors"))  # the value head travels along
+    proc = _sao("train", *TINY, "train.steps=1", "eval.every=0", "critic.path=critics/lora", "critic.lora.r=2",
+                "output.name=prelora", "--quiet", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (cwd / "runs" / "prelora" / "checkpoints" / "final" / "critic" / "adapter_config.json").is_file()

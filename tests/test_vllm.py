@@ -221,6 +221,9 @@ def test_sao_train_with_vllm_survives_a_killed_server(tmp_path):
     assert killed is not None and restarted is not None
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert max(r["step"] for r in rows if "reward/mean" in r) == 6
+    live = [r["parity/live_max_abs_diff"] for r in rows if "parity/live_max_abs_diff" in r]
+    assert live and live[0] <= 1e-4  # the gate on vLLM's own tokens of the trainer's weights
+    print(f"live parity (vLLM vs trainer): {live}")
     assert not _server_pids(marker)  # stopped at exit: no orphan
     audit = [json.loads(x) for x in (tmp_path / "runs" / "v" / "audit.jsonl").read_text().splitlines()]
     # episodes in flight at the kill (if any were) ended engine_error and were issued again

@@ -18,6 +18,15 @@ class ContextLengthError(ValueError):
     """A prompt does not fit the model's context length (one line, naming both lengths)."""
 
 
+def check_prompt(prompt_ids: list[int], context_length: int) -> None:
+    """Every engine's precondition: a non-empty prompt that leaves room for one sampled token."""
+    if not prompt_ids:
+        raise ValueError("generate: empty prompt")
+    if len(prompt_ids) >= context_length:
+        raise ContextLengthError(f"prompt of {len(prompt_ids)} tokens does not fit the model's context length "
+                                 f"{context_length} (config max_position_embeddings)")
+
+
 class UnsupportedModelError(ValueError):
     """The engine cannot serve this model's cache layout (sliding-window or hybrid attention)."""
 

@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from sao.device import autocast
-from sao.engine.base import ContextLengthError, EngineError, UnsupportedModelError, WeightSource
+from sao.engine.base import EngineError, UnsupportedModelError, WeightSource, check_prompt
 from sao.engine.sampling import sample_tokens
 from sao.types import Generation, SamplingParams
 
@@ -110,11 +110,7 @@ class TorchEngine:
 
     # -- public API -------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session: str | None = None) -> Generation:
-        if not prompt_ids:
-            raise ValueError("generate: empty prompt")
-        if len(prompt_ids) >= self.context_length:
-            raise ContextLengthError(f"prompt of {len(prompt_ids)} tokens does not fit the model's context length "
-                                     f"{self.context_length} (config max_position_embeddings)")
+        check_prompt(prompt_ids, self.context_length)
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run())

@@ -32,7 +32,7 @@ import httpx
 import torch
 
 from sao.config import EngineConfig
-from sao.engine.base import ContextLengthError, EngineError, WeightSource
+from sao.engine.base import EngineError, WeightSource, check_prompt
 from sao.engine.vllm_process import EXTENSION_CLS, VLLMServer
 from sao.types import Generation, SamplingParams
 
@@ -126,11 +126,7 @@ class VLLMEngine:
         return body
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session: str | None = None) -> Generation:
-        if not prompt_ids:
-            raise ValueError("generate: empty prompt")
-        if len(prompt_ids) >= self.context_length:
-            raise ContextLengthError(f"prompt of {len(prompt_ids)} tokens does not fit the model's context length "
-                                     f"{self.context_length} (config max_position_embeddings)")
+        check_prompt(prompt_ids, self.context_length)
         client = self._aclient()
         await self._ensure_server()
         max_new = min(params.max_new_tokens, self.context_length - len(prompt_ids))

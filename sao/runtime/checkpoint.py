@@ -68,6 +68,7 @@ def trainer_state(trainer, step: int) -> dict:
         "step": step,
         "actor_version": learner.actor_version, "critic_version": learner.critic_version,
         "steps_done": learner.steps_done, "unpublished": trainer.unpublished,
+        "guard": learner.guard_state(),
         "actor_opt": learner.actor_opt.state_dict(),
         "critic_opt": learner.critic_opt.state_dict() if learner.critic_opt is not None else None,
         "running_mean": learner.running_mean.state_dict() if learner.running_mean is not None else None,
@@ -128,6 +129,7 @@ def restore(trainer, state: dict) -> None:
     learner = trainer.learner
     learner.actor_version, learner.critic_version = state["actor_version"], state["critic_version"]
     learner.steps_done = state["steps_done"]
+    learner.load_guard_state(state.get("guard", {}))  # older checkpoints have none: counters start at 0
     learner.actor_opt.load_state_dict(state["actor_opt"])
     if learner.critic_opt is not None and state["critic_opt"] is not None:
         learner.critic_opt.load_state_dict(state["critic_opt"])

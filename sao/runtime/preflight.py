@@ -91,13 +91,10 @@ def preflight(cfg: Config, resume: bool = False):
     environment.eval_tasks(1)  # a split with an empty side fails here, before anything is written
     next(iter(environment.train_tasks()))
     model_path_of(cfg)
-    if cfg.critic.path and not (Path(cfg.critic.path) / "config.json").is_file():
-        raise ConfigError(f"critic.path: {cfg.critic.path!r} is not a model folder (no config.json)")
+    if cfg.critic.path and not any((Path(cfg.critic.path) / f).is_file() for f in ("config.json", "adapter_config.json")):
+        raise ConfigError(f"critic.path: {cfg.critic.path!r} is not a model or adapter folder (no config.json)")
     path = run_dir_path(cfg)
     check_trackers(cfg)
-    if resume and (cfg.model.lora.r or cfg.critic.lora.r):  # the checkpoint holds adapters, not what resume restores
-        raise ConfigError("model.lora.r: --resume of a LoRA run is not supported yet; start a new run from "
-                          "checkpoints/<tag>/actor_merged (model.lora.save_merged=true)")
     if not resume and path is not None and path.exists():
         raise ConfigError(f"output.name: run directory {str(path)!r} exists already; choose another name")
     return environment

@@ -13,7 +13,8 @@ import torch
 from sao.config import Config, ConfigError
 from sao.engine.torch_engine import TorchEngine
 from sao.models.chat import ChatCodec
-from sao.models.critic import build_critic, freeze_parameters
+from sao.models.critic import build_critic, freeze_parameters, load_critic
+from sao.models.lora import with_lora
 from sao.models.tiny import load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.runtime.model_setup import prepare_base_model
@@ -30,7 +31,10 @@ def pretrain_critic(cfg: Config, steps: int, out: Path, progress=None) -> dict:
     model_path, _ = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps) if progress else None)
     codec = ChatCodec(load_tokenizer(model_path))
     actor = load_model(model_path)
-    critic = build_critic(model_path)
+    # the critic the run will use: critic.path (e.g. a smaller model) or the policy's own checkpoint,
+    # with critic.lora adapters when set (saved as an adapter folder that `sao train critic.path=` takes)
+    critic = load_critic(cfg.critic.path) if cfg.critic.path else build_critic(model_path)
+    critic = with_lora(critic, cfg.critic.lora, value_head=True)
     if cfg.critic.freeze_attention:
         freeze_parameters(critic, cfg.critic.freeze_pattern)
     engine = TorchEngine(actor, codec.tokenizer.pad_token_id, max_batch=cfg.rollout.concurrency, seed=cfg.train.seed)

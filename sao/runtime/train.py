@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 from sao.algo.registry import get_algorithm
-from sao.config import Config
+from sao.config import Config, ConfigError
 from sao.device import autocast, resolve_device, resolve_dtype, to_device
 from sao.engine.torch_engine import TorchEngine
 from sao.models.actor import sequence_logprobs
 from sao.models.chat import ChatCodec
 from sao.models.critic import build_critic, load_critic
-from sao.models.lora import engine_parameters, with_lora
+from sao.models.lora import adapter_base, engine_parameters, load_lora_critic, resume_lora, with_lora
 from sao.models.tiny import load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.rollout.agent_loop import EpisodeLimits, run_episode
@@ -148,20 +148,30 @@ class Trainer:
         self.limits = limits_of(cfg)
         ckpt = checkpoint.latest(resume) if resume is not None else None
         if resume is not None:
+            # a LoRA run saved adapters: engines and the actor start from the base model they sit on
+            self.model_path = Path(adapter_base(ckpt / "actor") or ckpt / "actor")
+            if not (self.model_path / "config.json").is_file():
+                raise ConfigError(f"--resume: {ckpt / 'actor'} is an adapter on {self.model_path}, which is gone")
             self.run = RunDir(resume, cfg)
-            self.model_path = ckpt / "actor"
         else:
             self.run = RunDir.create(cfg)
             self.model_path, _ = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps))
         self.codec = ChatCodec(load_tokenizer(self.model_path))
         # engine.device / engine.dtype: the trainer and the torch engines run there (sao/device.py)
         self.device, self.dtype = resolve_device(cfg.engine.device), resolve_dtype(cfg.engine.dtype)
-        self.actor = with_lora(load_model(self.model_path).to(self.device), cfg.model.lora)  # lora.r=0: the model itself
+        actor = load_model(self.model_path).to(self.device)
+        if ckpt is not None and adapter_base(ckpt / "actor"):
+            self.actor = resume_lora(actor, ckpt / "actor")
+        else:
+            self.actor = with_lora(actor, cfg.model.lora)  # lora.r=0: the model itself
         self.critic = None
         if self.algo.uses_critic:
             critic_path = ckpt / "critic" if ckpt is not None else cfg.critic.path
-            critic = load_critic(critic_path) if critic_path else build_critic(self.model_path)
-            self.critic = with_lora(critic.to(self.device), cfg.critic.lora, value_head=True)
+            if critic_path and adapter_base(critic_path):  # a LoRA critic's adapter (a checkpoint, or pretrained)
+                self.critic = load_lora_critic(critic_path, self.device)
+            else:
+                critic = load_critic(critic_path) if critic_path else build_critic(self.model_path)
+                self.critic = with_lora(critic.to(self.device), cfg.critic.lora, value_head=True)
         self.learner = Learner(self.actor, self.critic, self.algo, cfg.algo, cfg.critic, cfg.train, dtype=self.dtype)
         self.eval_tasks = self.environment.eval_tasks(cfg.eval.num_tasks)
         self.totals = {"dropped_stale": 0, "failed": 0, "wait_s": 0.0}

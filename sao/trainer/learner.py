@@ -171,6 +171,14 @@ class Learner:
         self.skipped_in_step += 1
         return None
 
+    def guard_state(self) -> dict[str, int]:
+        """The guard's counters, for checkpoints: a resumed run keeps counting a run of skipped steps."""
+        return {"skipped_total": self.skipped_total, "consecutive_skipped": self.consecutive_skipped}
+
+    def load_guard_state(self, state: dict) -> None:
+        self.skipped_total = int(state.get("skipped_total", 0))
+        self.consecutive_skipped = int(state.get("consecutive_skipped", 0))
+
     def _guard(self, metrics: dict) -> None:
         """Count steps with a skipped update; too many in a row stop the run."""
         skipped = metrics["guard/skipped_updates"] = self.skipped_in_step
