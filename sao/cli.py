@@ -68,7 +68,11 @@ def cmd_train(ns) -> int:
         cfg = load_config(run / "config.yaml", overrides + extra)
     else:
         cfg = _config(ns.args, extra)
-    preflight(cfg, resume=bool(ns.resume))  # fail fast on bad input, before torch is imported or anything is written
+    if cfg.runtime.mode == "async" and cfg.runtime.backend == "local":
+        from sao.runtime.prewarm import prewarm
+
+        prewarm()  # the rollout workers' fork server imports torch & co. while this process validates and builds
+    preflight(cfg, resume=bool(ns.resume))  # fail fast on bad input, before anything is written
     from sao.runtime.progress import RunProgress
     from sao.runtime.train import train
 

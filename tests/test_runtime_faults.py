@@ -91,10 +91,15 @@ def _wait_for_step(proc, run, step, timeout=240):
     raise AssertionError(f"step {step} not reached")
 
 
-def _workers(pid):
-    """Rollout worker processes of trainer `pid` (spawned children; not the resource tracker)."""
+def _children(pid):
     out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
+    return [(int(line.split()[0]), line) for line in out.splitlines()]
+
+
+def _workers(pid):
+    """Rollout worker processes of trainer `pid`: the children of its fork server (sao/runtime/local.py)."""
+    servers = [p for p, args in _children(pid) if "forkserver" in args]
+    return [p for s in servers for p, _ in _children(s)]
 
 
 def _alive(pid):

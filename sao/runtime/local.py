@@ -5,8 +5,9 @@
     weights: one SharedWeights buffer (shared memory) that every engine polls between decode steps
 
 Each worker has its own pair of pipes, so a worker killed mid-message only breaks its own pipe.
-A worker never outlives the trainer: the kernel sends it SIGKILL when the trainer dies
-(PR_SET_PDEATHSIG), and a watchdog thread also exits it when its parent is gone, even while
+A worker never outlives the trainer: workers are forked from a fork server (started early by
+`prewarm`, with torch and sao imported) that exits with the trainer; the kernel then sends each worker
+SIGKILL (PR_SET_PDEATHSIG), and a watchdog thread also exits it when the trainer is gone, even while
 another thread is blocked writing to a full pipe. Ctrl-C reaches the whole process group; workers
 ignore it and let the trainer checkpoint and stop them.
 """
@@ -24,6 +25,7 @@ from multiprocessing.connection import wait
 import torch
 
 from sao.runtime.backend import reseed
+from sao.runtime.prewarm import forkserver_context
 from sao.runtime.weight_sync import SharedWeights
 from sao.runtime.worker_host import WorkerSpec
 from sao.types import Assignment, Record, WorkerLost
@@ -31,24 +33,47 @@ from sao.types import Assignment, Record, WorkerLost
 PR_SET_PDEATHSIG = 1
 
 
-def _never_outlive(parent_pid: int) -> None:
+def mp_context():
+    """Workers are forked from a fork server that has imported torch, transformers and sao already
+    (sao/runtime/prewarm.py starts it while the trainer builds itself), so a worker, or a restarted one,
+    starts in a fraction of a second. The fork server is a fresh process (no threads, no trainer
+    state), so forking it is safe."""
+    forkserver_context()
+    return torch.multiprocessing.get_context("forkserver")  # torch's tensor-sharing reducers registered
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _never_outlive(trainer_pid: int) -> None:
+    """The worker's parent is the fork server, which exits when the trainer does (its pipe from the
+    trainer closes): the kernel then SIGKILLs the worker (PR_SET_PDEATHSIG). The watchdog also exits it
+    when the fork server or the trainer is gone, even while another thread blocks on a full pipe."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the watchdog below still works
         pass
+    parent = os.getppid()
 
     def watchdog() -> None:
-        while os.getppid() == parent_pid:
+        while os.getppid() == parent and _alive(trainer_pid):
             time.sleep(0.5)
         os._exit(1)
 
     threading.Thread(target=watchdog, daemon=True, name="sao-watchdog").start()
-    if os.getppid() != parent_pid:
+    if not _alive(trainer_pid):
         os._exit(1)
 
 
 def worker_main(spec: WorkerSpec, weights: SharedWeights, inbox, outbox, parent_pid: int) -> None:
-    """Entry point of a worker process (spawned; heavy imports happen here, once)."""
+    """Entry point of a worker process (forked from the fork server, heavy modules already imported)."""
     _never_outlive(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import asyncio
@@ -101,7 +126,7 @@ class LocalBackend:
     def __init__(self, specs: list[WorkerSpec]):
         self.specs = specs
         self.workers = len(specs)
-        self.ctx = torch.multiprocessing.get_context("spawn")
+        self.ctx = mp_context()
         self.weights: SharedWeights | None = None
         self._w: list[_Worker] = []
         self.restarts = 0

@@ -272,6 +272,10 @@ def issue_ahead(r) -> int:
 
 def train(cfg: Config, progress: RunProgress, resume: str | Path | None = None) -> RunResult:
     quiet_transformers()
+    if cfg.runtime.mode == "async" and cfg.runtime.backend == "local":
+        from sao.runtime.prewarm import prewarm
+
+        prewarm()  # no-op when the CLI started it already
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)  # SFT has both cores
