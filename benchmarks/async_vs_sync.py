@@ -52,9 +52,12 @@ def loop_stats(run_dir: str) -> dict:
     t = [r["perf/train_step_s"] for r in steps]
     tokens = [r["perf/train_tokens"] for r in steps]
     positions = [r.get("perf/train_positions", r["perf/train_tokens"]) for r in steps]
-    a, b, r2_tokens = _fit(tokens, t)
-    r2_positions = _fit(positions, t)[2]
-    worst = max(ti / max(a + b * n, 1e-9) for ti, n in zip(t, tokens))
+    # step time vs tokens on full steps only: critic warm-up steps run no actor pass (another cost line)
+    full = [i for i, r in enumerate(steps) if not r.get("train/critic_warmup")]
+    ft, fn, fp = [t[i] for i in full], [tokens[i] for i in full], [positions[i] for i in full]
+    a, b, r2_tokens = _fit(fn, ft)
+    r2_positions = _fit(fp, ft)[2]
+    over = [ti / max(a + b * n, 1e-9) for ti, n in zip(ft, fn)]
     return {
         "loop_wall_s": last["perf/wall_s"],
         "steady_wall_s": last["perf/wall_s"] - steps[0]["perf/wall_s"],
@@ -69,7 +72,9 @@ def loop_stats(run_dir: str) -> dict:
         "train_s_per_1k_real_tokens": 1000 * sum(t) / sum(tokens),
         "r2_time_vs_real_tokens": r2_tokens,
         "r2_time_vs_positions": r2_positions,
-        "worst_step_over_fit": worst,
+        "worst_step_over_fit": max(over),
+        "steps_over_1_5x_fit": sum(x > 1.5 for x in over),
+        "full_steps": len(full),
         "trainer_all_cores_frac": statistics.mean(r.get("perf/trainer_all_cores_frac", 0.0) for r in steps),
         "reward_mean_last10": statistics.mean(r["reward/mean"] for r in steps[-10:]),
         "entropy_last10": statistics.mean(r.get("actor/entropy", float("nan")) for r in steps[-10:]),
@@ -84,8 +89,23 @@ def main() -> None:
     ap.add_argument("--eval-tasks", type=int, default=50, help="held-out tasks evaluated before and after")
     ap.add_argument("--variants", nargs="+", default=["after", "before"], choices=list(VARIANTS))
     ap.add_argument("--out", default="benchmarks/results/async_vs_sync.json")
+    ap.add_argument("--resummarize", metavar="FILE", help="recompute the figures of the runs in FILE (a results JSON, "
+                    "or this script's printed JSON lines) from their run directories, and write --out")
     ap.add_argument("overrides", nargs="*")
     ns = ap.parse_args()
+    if ns.resummarize:
+        text = Path(ns.resummarize).read_text()
+        old = json.loads(text)["runs"] if text.lstrip().startswith('{\n') else [
+            json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        runs = [{**r, **loop_stats(r["run_dir"])} for r in old]
+        variants = list(dict.fromkeys(r["variant"] for r in runs))
+        reps = 1 + max(r["rep"] for r in runs)
+        steps = len([line for line in (Path(runs[0]["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+                     if "reward/mean" in line])
+        summary = summarize(runs, variants, reps, {"steps": steps, "reps": reps, "resummarized_from": ns.resummarize})
+        Path(ns.out).write_text(json.dumps(summary, indent=2))
+        print_table(summary, variants, reps)
+        return
     stamp = time.strftime("%Y%m%d-%H%M%S")
     common = [f"train.steps={ns.steps}", "eval.every=0", f"eval.num_tasks={ns.eval_tasks}", "output.root=runs/bench",
               *ns.overrides]
@@ -101,10 +121,20 @@ def main() -> None:
                        "heldout_accuracy": res.accuracy_after, **loop_stats(res.run_dir)}
                 runs.append(row)
                 print(json.dumps(row), flush=True)
-    summary: dict = {"steps": ns.steps, "reps": ns.reps, "config_overrides": common, "variants": {}}
-    for variant in ns.variants:
+    summary = summarize(runs, ns.variants, ns.reps, {"steps": ns.steps, "reps": ns.reps, "config_overrides": common})
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    print_table(summary, ns.variants, ns.reps)
+    print(f"results: {out}")
+
+
+def summarize(runs: list[dict], variants: list[str], reps: int, head: dict) -> dict:
+    """Per variant: the paired ratios of every repetition, their medians, and run means."""
+    summary: dict = {**head, "variants": {}}
+    for variant in variants:
         pairs = []
-        for rep in range(ns.reps):
+        for rep in range(reps):
             s = next(r for r in runs if r["variant"] == variant and r["rep"] == rep and r["mode"] == "sync")
             a = next(r for r in runs if r["variant"] == variant and r["rep"] == rep and r["mode"] == "async")
             pairs.append({
@@ -119,28 +149,30 @@ def main() -> None:
             **{f"median_{k}": statistics.median(p[k] for p in pairs) for k in pairs[0]},
             **{f"mean_{k}": statistics.mean(r[k] for r in runs if r["variant"] == variant)
                for k in ("padded_frac", "train_s_per_1k_real_tokens", "r2_time_vs_real_tokens",
-                         "r2_time_vs_positions", "worst_step_over_fit", "trainer_all_cores_frac")},
+                         "r2_time_vs_positions", "worst_step_over_fit", "steps_over_1_5x_fit",
+                         "trainer_all_cores_frac")},
         }
     summary["runs"] = runs
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def print_table(summary: dict, variants: list[str], reps: int) -> None:
+    runs = summary["runs"]
     keys = ["async_over_sync", "async_over_sync_steady", "async_over_max_gen_train", "async_s", "sync_s",
             "gen_only_s", "train_only_s"]
-    print(f"{'per repetition':<28}" + "".join(f"{v + ' r' + str(i):>12}" for v in ns.variants for i in range(ns.reps)))
+    print(f"{'per repetition':<28}" + "".join(f"{v + ' r' + str(i):>12}" for v in variants for i in range(reps)))
     for k in keys:
-        print(f"{k:<28}" + "".join(f"{p[k]:>12.2f}" for v in ns.variants for p in summary["variants"][v]["pairs"]))
-    print(f"{'mean over runs':<28}" + "".join(f"{v:>12}" for v in ns.variants))
+        print(f"{k:<28}" + "".join(f"{p[k]:>12.2f}" for v in variants for p in summary["variants"][v]["pairs"]))
+    print(f"{'mean over runs':<28}" + "".join(f"{v:>12}" for v in variants))
     for k in ("padded_frac", "train_s_per_1k_real_tokens", "r2_time_vs_real_tokens", "r2_time_vs_positions",
-              "worst_step_over_fit", "trainer_all_cores_frac"):
-        print(f"{k:<28}" + "".join(f"{summary['variants'][v]['mean_' + k]:>12.3f}" for v in ns.variants))
+              "worst_step_over_fit", "steps_over_1_5x_fit", "trainer_all_cores_frac"):
+        print(f"{k:<28}" + "".join(f"{summary['variants'][v]['mean_' + k]:>12.3f}" for v in variants))
     print(f"{'per run':<22}" + "".join(f"{c:>14}" for c in ("reward_last10", "entropy", "truncated", "lag",
                                                                "heldout_acc")))
     for r in runs:
         print(f"{r['variant'] + ' ' + r['mode'] + ' s' + str(r['rep']):<22}" + "".join(
             f"{r[c]:>14.3f}" for c in ("reward_mean_last10", "entropy_last10", "truncated_frac_last10", "lag_mean",
                                        "heldout_accuracy")))
-    print(f"results: {out}")
 
 
 if __name__ == "__main__":

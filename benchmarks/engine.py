@@ -1,7 +1,7 @@
 """Engines on the built-in multi-turn rollout workload: same model, same episodes.
 
     python benchmarks/engine.py [--episodes 64] [--concurrency 32] [--engines torch torch_noreuse generate vllm]
-                                [--model DIR] [--out benchmarks/results/engine.json] [key=value ...]
+                                [--model DIR | --random 512x8] [--out benchmarks/results/engine.json] [key=value ...]
                                 [--workload scripted --turns 6 --action-tokens 24 --observation-tokens 96]
 
 The workload is what the rollout worker runs: `calc` episodes (the default config's tasks, up to
@@ -186,6 +186,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--engines", nargs="+", default=["torch", "torch_noreuse", "generate", "vllm"])
     ap.add_argument("--model", default=None, help="model folder (default: the default run's SFT starting policy)")
+    ap.add_argument("--random", metavar="HIDDENxLAYERS", default=None,
+                    help="a randomly initialized built-in Llama of that size instead (head_dim 64, MLP 4x hidden)")
     ap.add_argument("--out", default="benchmarks/results/engine.json")
     ap.add_argument("--workload", choices=["calc", "scripted"], default="calc",
                     help="calc: the real agent loop; scripted: exactly --turns turns per episode")
@@ -196,7 +198,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # as in a rollout worker
     cfg = load_config(None, args.overrides)
-    if args.model:
+    if args.random:
+        import tempfile
+
+        from sao.models.tiny import build_tiny_model
+
+        hidden, layers = map(int, args.random.split("x"))
+        model_path = build_tiny_model(Path(tempfile.mkdtemp(prefix="sao-engine-")) / "m", hidden_size=hidden,
+                                      num_layers=layers, num_heads=max(hidden // 64, 1), intermediate_size=4 * hidden,
+                                      max_positions=1024)
+    elif args.model:
         model_path = Path(args.model)
     else:
         from sao.runtime.model_setup import prepare_base_model
@@ -226,7 +237,9 @@ def main() -> None:
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
         print(name, rows[name], flush=True)
-    result = {"model": str(model_path), "workload": args.workload, "episodes": args.episodes,
+    params = sum(p.numel() for p in load_model(model_path).parameters())
+    result = {"model": f"random {args.random}" if args.random else str(model_path), "params_m": round(params / 1e6, 2),
+              "workload": args.workload, "episodes": args.episodes,
               "concurrency": args.concurrency, "max_turns": cfg.rollout.max_turns, "threads": 1, "engines": rows}
     if args.workload == "scripted":
         result.update(turns=args.turns, action_tokens=args.action_tokens, observation_tokens=len(observation))

@@ -8,8 +8,8 @@ The Python API (sao/api.py), imported lazily so that `import sao.types` stays li
 import os
 
 # OpenMP threads that finished their share of a parallel region sleep instead of spinning (GNU OpenMP
-# spins ~300k iterations first by default). On a few cores the trainer's spinning threads took CPU from
-# the rollout worker and made run times vary by up to 40% (docs/performance.md §3). Read when torch first
+# spins ~300k iterations first by default). On a few cores the trainer's spinning threads take CPU from
+# the rollout worker (measured in docs/performance.md §3). Read when torch first
 # loads its OpenMP runtime, so it applies to processes that import sao before torch (the CLI, the rollout
 # workers); export OMP_WAIT_POLICY yourself to choose otherwise.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
