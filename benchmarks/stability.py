@@ -72,6 +72,9 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/stability.json")
     ap.add_argument("overrides", nargs="*")
     ns = ap.parse_args()
+    bad = [m for m in ns.modes if m.partition(":")[0] not in ("sync", "async")]
+    if bad:  # e.g. a key=value override after --modes, which argparse hands to --modes
+        ap.error(f"--modes: {bad[0]!r} is not sync, async or MODE:key=value,...; put overrides before --modes")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     runs = []
     for task in ns.tasks:

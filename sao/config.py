@@ -99,6 +99,10 @@ class AlgoConfig(Section):
     whiten_advantages: bool = Field(True, description=(
         "batch-whiten critic-based (GAE) actor advantages over action tokens; group and running-mean "
         "advantages are always used as computed (whitening would turn a running mean into a batch mean)"))
+    whiten_min_std: float = Field(0.05, ge=0, description=(
+        "floor of the std that whitening divides by: a batch whose raw advantages spread less (e.g. every "
+        "reward equal, only critic noise left) keeps its small scale instead of being blown up to unit "
+        "scale; with rewards in [0, 1] healthy batches spread far more (docs/algorithm.md §4)"))
     entropy_coef: float = Field(0.0, ge=0, description=(
         "entropy bonus on action tokens; the paper uses none (0). Opt-in for settings where a tiny policy "
         "saturates and can no longer explore, e.g. the style_shift online benchmark"))

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from sao.algo.baselines import RunningMeanBaseline, group_advantages
-from sao.algo.core import explained_variance, masked_mean, masked_whiten
+from sao.algo.core import explained_variance, masked_mean, masked_var, masked_whiten
 from sao.algo.gae import length_adaptive_lambda, skip_observation_gae, step_level_gae, step_level_values
 from sao.algo.losses import dis_policy_loss, ppo_clip_loss, value_loss
 from sao.algo.registry import Algorithm
@@ -205,8 +205,9 @@ class Learner:
         else:
             advantages = self._baseline_advantages(batch)
         metrics["adv/mean_raw"] = float(masked_mean(advantages, mask))
+        metrics["adv/std_raw"] = float(masked_var(advantages, mask).clamp(min=0).sqrt())
         if self.algo_cfg.whiten_advantages and self.algo.uses_critic:
-            advantages = masked_whiten(advantages, mask)
+            advantages = masked_whiten(advantages, mask, min_std=self.algo_cfg.whiten_min_std)
         warmup = self.in_warmup
         metrics["train/critic_warmup"] = float(warmup)
         if not warmup:  # step 4
