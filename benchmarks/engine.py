@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -111,16 +110,15 @@ def _by_params(batch):
     return list(groups.values())
 
 
-def run_workload(engine, environment, codec, tasks, limits, concurrency: int) -> dict:
+def drive(engine, items: list, episode, concurrency: int) -> tuple[list, float]:
+    """Run `await episode(item)` for every item, `concurrency` at a time, on one engine; closes it.
+    Returns the results and the wall seconds."""
     async def main():
-        queue = list(tasks)
-        done = []
+        queue, done = list(items), []
 
         async def slot():
             while queue:
-                task = queue.pop(0)
-                env = environment.new_episode(EpisodeContext(0, 0))
-                done.append(await run_episode(env, task, engine, codec, SamplingParams(), limits))
+                done.append(await episode(queue.pop(0)))
 
         t0 = time.perf_counter()
         try:
@@ -129,7 +127,15 @@ def run_workload(engine, environment, codec, tasks, limits, concurrency: int) ->
             await engine.close()
         return done, time.perf_counter() - t0
 
-    trajs, wall = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def run_workload(engine, environment, codec, tasks, limits, concurrency: int) -> dict:
+    async def episode(task):
+        env = environment.new_episode(EpisodeContext(0, 0))
+        return await run_episode(env, task, engine, codec, SamplingParams(), limits)
+
+    trajs, wall = drive(engine, tasks, episode, concurrency)
     tokens = sum(t.num_action_tokens for t in trajs)
     return {"episodes": len(trajs), "wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
             "episodes_per_s": round(len(trajs) / wall, 3), "turns_mean": round(sum(t.turns for t in trajs) / len(trajs), 3),
@@ -142,30 +148,19 @@ def run_scripted(engine, codec, prompts: list[list[int]], turns: int, action_tok
     """Long agentic episodes as the engine sees them: every episode runs exactly `turns` turns, each
     sampling up to `action_tokens` tokens and then appending the same tool observation, so the
     conversation grows by action + observation every turn whatever the (random) model writes."""
-    params = SamplingParams(stop_token_ids=(codec.eos_id,))
+    params = SamplingParams(stop_token_ids=(codec.eos_id,), max_new_tokens=action_tokens)
 
-    async def main():
-        queue, done = list(enumerate(prompts)), []
+    async def episode(item):
+        i, ids = item
+        ids, sampled = list(ids), 0
+        for _ in range(turns):
+            gen = await engine.generate(ids, params, session=f"s{i}")
+            ids += gen.token_ids + observation
+            sampled += len(gen.token_ids)
+        engine.release(f"s{i}")
+        return sampled, len(ids)
 
-        async def slot():
-            while queue:
-                i, ids = queue.pop(0)
-                ids, sampled = list(ids), 0
-                for _ in range(turns):
-                    gen = await engine.generate(ids, replace(params, max_new_tokens=action_tokens), session=f"s{i}")
-                    ids += gen.token_ids + observation
-                    sampled += len(gen.token_ids)
-                engine.release(f"s{i}")
-                done.append((sampled, len(ids)))
-
-        t0 = time.perf_counter()
-        try:
-            await asyncio.gather(*(slot() for _ in range(concurrency)))
-        finally:
-            await engine.close()
-        return done, time.perf_counter() - t0
-
-    done, wall = asyncio.run(main())
+    done, wall = drive(engine, list(enumerate(prompts)), episode, concurrency)
     tokens = sum(d[0] for d in done)
     return {"episodes": len(done), "wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
             "episodes_per_s": round(len(done) / wall, 3), "turns_mean": float(turns),
