@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", help="dotted overrides applied to every variant")
     p.add_argument("--quick", action="store_true", help="the experiment's quick preset (minutes)")
     p.add_argument("--out", help="results folder (default: benchmarks/results/EXPERIMENT/PRESET)")
-    p.add_argument("--runs", help="folder for the run directories (default: runs/bench/EXPERIMENT-PRESET-TIME)")
+    p.add_argument("--runs", help=("folder for the run directories (default: runs/bench/EXPERIMENT-PRESET-TIME); "
+                         "runs already finished there with the same command are reused, not re-trained"))
     p.set_defaults(fn=cmd_bench)
     return parser
 

@@ -168,6 +168,10 @@ class RuntimeConfig(Section):
     adaptive_threads: bool = Field(True, description=(
         "local backend: the trainer also takes the rollout workers' threads while none of them has an "
         "episode in flight (they are paced or idle), and its own trainer_threads while one does"))
+    rollout_only: bool = Field(False, description=(
+        "benchmarks, async only: each batch of B finished trajectories is counted as a step and dropped, "
+        "with no model pass and no update (the policy stays the starting one): the rollout side's own time "
+        "for the same trajectories, the generation-only bound that async wall-clock is compared with"))
     parity_tol: float = Field(1e-4, gt=0, description="max |engine - trainer| log-prob at step 0")
     receive_timeout_s: float = Field(300.0, gt=0, description=(
         "stop the run with a message when no trajectory arrives for this long"))

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from sao.bench.analysis import accuracy_at, collapse, recovery, time_to_target
 from sao.bench.experiment import load_experiment, train_args
 
@@ -34,6 +36,19 @@ def test_collapse_detector():
     step, reason = collapse(_run([(0, 0.3), (10, 0.3)], entropy=ent, loss=loss))
     assert step == 7 and reason.startswith("entropy")
     assert collapse(_run([(0, 0.3), (10, 0.3)], loss=loss))[0] == 9
+    # the same entropy on a policy that converged: every evaluation from step 7 on is >= 90% of its best
+    assert collapse(_run([(0, 0.3), (6, 0.9), (8, 0.95), (10, 0.9)], entropy=ent)) == (None, "")
+    # near-deterministic but stuck far below its best (0.95 -> 0.6): still an entropy collapse
+    assert collapse(_run([(0, 0.3), (6, 0.95), (8, 0.7), (10, 0.6)], entropy=ent))[0] == 7
+
+
+def test_quick_preset_replaces_analysis_settings():
+    online = load_experiment("online")
+    assert online.preset(quick=False).analysis["recovery"]["window"] == 10
+    quick = online.preset(quick=True)
+    assert quick.analysis["recovery"]["window"] == 2  # fits in the quick preset's 3-step phases
+    phases = next(o for o in quick.overrides if o.startswith("env.options.phases"))
+    assert "start: 3" in phases
 
 
 def test_time_to_target_accuracy_at_and_recovery():
@@ -73,19 +88,48 @@ def test_bad_experiment_is_refused_with_one_line(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def test_wallclock_quick_preset_writes_every_file(tmp_path):
+def test_wallclock_quick_preset_writes_every_file(tmp_path, monkeypatch):
     proc = _sao("bench", "wallclock", "--quick", "--out", "out", "model.cache_dir=cache", cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = tmp_path / "out"
     assert {p.name for p in out.iterdir()} >= {"results.json", "results.md", "curves.png"}
     res = json.loads((out / "results.json").read_text())
-    assert set(res["variants"]) == {"sao", "sao_sync", "grpo_sync", "grpo_async"}
-    assert all(r["returncode"] == 0 for r in res["runs"]) and len(res["runs"]) == 4
+    assert set(res["variants"]) == {"sao", "sao_sync", "sao_rollout_only", "grpo_sync", "grpo_async"}
+    assert all(r["returncode"] == 0 for r in res["runs"]) and len(res["runs"]) == 5
     for v in res["variants"].values():
         s = v["per_seed"]["0"]
         assert s["steps_done"] == 6 and s["final_accuracy"] is not None and s["train_wall_s"] > 0
-    ratio = res["overlap"]["sao vs sao_sync"][0]
-    assert ratio["async_over_max"] > 0 and ratio["gen_only_s"] > 0
+    ratio = res["overlap"]["sao vs sao_rollout_only"][0]
+    assert ratio["gen_only_from"] == "rollout_only run" and ratio["gen_only_s"] > 0 and ratio["train_only_s"] > 0
+    assert ratio["gen_only_s"] == res["variants"]["sao_rollout_only"]["per_seed"]["0"]["train_wall_s"]
+    assert ratio["async_over_max"] > 0
+    # the rollout-only run trained nothing: its final actor is the starting policy, bit for bit
+    from safetensors.torch import load_file
+
+    run = next(r for r in res["runs"] if r["variant"] == "sao_rollout_only")
+    start = load_file(next((tmp_path / "cache").glob("tiny-*/model.safetensors")))
+    final = load_file(tmp_path / run["run_dir"] / "checkpoints" / "final" / "actor" / "model.safetensors")
+    assert start.keys() == final.keys() and all(torch.equal(start[k], final[k]) for k in start)
+    # ...and it is neither a training run at equal wall-clock nor one that can reach a target
+    assert "sao_rollout_only" not in res["accuracy_at_equal_wall"]
     assert "accuracy_at_equal_wall" in res and (out / "curves.png").stat().st_size > 10_000
     md = (out / "results.md").read_text()
     assert "| `grpo_async` |" in md and "sao train" in md
+    # the same folder again (an interrupted bench, or a changed analysis): finished runs are reused, not re-run
+    from sao.bench.run import _previous_records, finished_run
+
+    root = next((tmp_path / "runs" / "bench").iterdir())
+    proc = _sao("bench", "wallclock", "--quick", "--out", "out2", "--runs", str(root.relative_to(tmp_path)),
+                "model.cache_dir=cache", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("already, reused") == 5
+    again = json.loads((tmp_path / "out2" / "results.json").read_text())
+    assert again["variants"] == res["variants"] and [r["process_s"] for r in again["runs"]] == [
+        r["process_s"] for r in res["runs"]]
+    # other settings on the same folder: that run is trained again
+    exp = load_experiment("wallclock").preset(quick=True)
+    rel = root.relative_to(tmp_path)
+    monkeypatch.chdir(tmp_path)  # the recorded commands name the folder relative to where the bench ran
+    prev = _previous_records(rel, Path("out"))
+    assert finished_run(exp, "sao", 0, rel, ["model.cache_dir=cache"], 6, prev) is not None
+    assert finished_run(exp, "sao", 0, rel, ["model.cache_dir=cache", "train.lr=1e-3"], 6, prev) is None

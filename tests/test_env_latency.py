@@ -47,3 +47,15 @@ def test_no_latency_by_default_and_bad_values_name_the_option():
     assert type(env.new_episode(EpisodeContext())).__name__ == "CalcEpisode"
     with pytest.raises(ValueError, match="env.options.step_latency_s"):
         make_environment("calc", {"step_latency_s": -1}, 0)
+
+
+def test_latency_does_not_change_the_cached_sft_model():
+    """The delay only slows steps (same demos, same SFT model): an experiment with tool latency reuses
+    the cached starting policy instead of spending minutes rebuilding an identical one."""
+    from sao.config import load_config
+    from sao.runtime.model_setup import base_model_key
+
+    plain = base_model_key(load_config(None, []))
+    slow = base_model_key(load_config(None, ["env.options.step_latency_s=0.3", "env.options.step_latency_sigma=1.0"]))
+    assert slow == plain
+    assert base_model_key(load_config(None, ["env.options.max_digits=3"])) != plain

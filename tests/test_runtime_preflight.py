@@ -18,6 +18,7 @@ def _train(*args, cwd):
     (["runtime.ray_address=auto"], "runtime.ray_address is set but runtime.backend=local"),
     (["runtime.rollout_workers=0"], "runtime.rollout_workers"),
     (["runtime.receive_timeout_s=0"], "runtime.receive_timeout_s"),
+    (["runtime.mode=sync", "runtime.rollout_only=true"], "runtime.rollout_only measures the async rollout side"),
 ])
 def test_refused_in_one_line_before_anything_is_written(tmp_path, args, words):
     proc = _train(*args, cwd=tmp_path)

@@ -8,8 +8,9 @@
     variants:                                     # name -> its own overrides
       sao: [algo.name=sao]
       grpo: [algo.name=grpo, algo.group_size=4]
-    analysis: {collapse: {...}, target_accuracy: 0.6, overlap: [[sao, sao_sync]], recovery: {...}}
-    quick: {overrides: [...], seeds: [0]}         # the `--quick` preset: applied on top
+    analysis: {collapse: {...}, target_accuracy: 0.6, overlap: [{async: sao, sync: sao_sync,
+              rollout_only: sao_gen}], recovery: {...}}
+    quick: {overrides: [...], seeds: [0], analysis: {recovery: {window: 2}}}  # the `--quick` preset, on top
 
 Every variant runs as its own `sao train` process (a fresh interpreter, so no state leaks from one
 run into the next), one after another: on a small machine side-by-side runs would steal each
@@ -40,6 +41,7 @@ class Preset(BaseModel):
     overrides: list[str] = Field(default_factory=list, description="dotted overrides on top of the experiment's")
     seeds: list[int] | None = Field(None, description="seeds of this preset (default: the experiment's)")
     budget_s: float | None = Field(None, gt=0, description="wall-clock budget per run of this preset")
+    analysis: dict[str, Any] = Field(default_factory=dict, description="analysis settings replaced in this preset")
 
 
 class Experiment(BaseModel):
@@ -62,6 +64,7 @@ class Experiment(BaseModel):
             "overrides": self.overrides + self.quick.overrides,
             "seeds": self.quick.seeds or self.seeds,
             "budget_s": self.quick.budget_s or self.budget_s,
+            "analysis": {**self.analysis, **self.quick.analysis},
         })
 
 

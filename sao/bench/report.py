@@ -13,7 +13,8 @@ def _r(x, nd=4):
 
 def summarize_run(run: dict, analysis: dict, starts: list[int] | None) -> dict:
     c = analysis.get("collapse", {})
-    step, reason = collapse(run, c.get("drop", 0.5), c.get("min_best", 0.1), c.get("entropy_frac", 0.1))
+    step, reason = collapse(run, c.get("drop", 0.5), c.get("min_best", 0.1), c.get("entropy_frac", 0.1),
+                            c.get("converged_frac", 0.9))
     accs = run["eval_accuracy"]
     out = {
         "steps_done": run["step"][-1] if run["step"] else 0,
@@ -48,23 +49,32 @@ def summarize(exp, runs: dict[str, dict[int, dict]], infos: list[dict], starts: 
         variants[name] = {"per_seed": per_seed, "final_accuracy_mean": _r(mean([s["final_accuracy"] for s in per_seed.values()])),
                           "collapse_steps": [s["collapse_step"] for s in per_seed.values()]}
     extra: dict = {}
-    walls = [s["train_wall_s"] for v in variants.values() for s in v["per_seed"].values() if s["train_wall_s"]]
+    overlap = [o if isinstance(o, dict) else {"async": o[0], "sync": o[1]} for o in exp.analysis.get("overlap", [])]
+    timing_only = {o["rollout_only"] for o in overlap if o.get("rollout_only")}  # measure time, do not train
+    walls = [s["train_wall_s"] for n, v in variants.items() if n not in timing_only
+             for s in v["per_seed"].values() if s["train_wall_s"]]
     if "target_accuracy" in exp.analysis and walls:
-        equal = min(walls)  # accuracy when the fastest-finishing run's training time is spent
+        equal = min(walls)  # accuracy when the fastest-finishing training run's time is spent
         extra["equal_wall_s"] = equal
         extra["accuracy_at_equal_wall"] = {n: _r(mean([accuracy_at(runs[n][s], equal) for s in runs[n]]))
-                                           for n in runs}
-    for a, s in exp.analysis.get("overlap", []):  # async wall / max(gen-only, train-only) of its sync twin
-        if a in variants and s in variants:
-            ratios = []
-            for seed in variants[a]["per_seed"]:
-                sa, ss = variants[a]["per_seed"][seed], variants[s]["per_seed"].get(seed, {})
-                if sa.get("train_wall_s") and ss.get("gen_total_s") and ss.get("train_total_s"):
-                    ratios.append({"seed": seed, "async_s": sa["train_wall_s"], "gen_only_s": ss["gen_total_s"],
-                                   "train_only_s": ss["train_total_s"],
-                                   "async_over_max": _r(sa["train_wall_s"] / max(ss["gen_total_s"], ss["train_total_s"]), 3),
-                                   "async_over_sum": _r(sa["train_wall_s"] / (ss["gen_total_s"] + ss["train_total_s"]), 3)})
-            extra.setdefault("overlap", {})[f"{a} vs {s}"] = ratios
+                                           for n in runs if n not in timing_only}
+    for o in overlap:  # async wall / max(generation-only, training-only) for the same steps
+        a, s, g = o["async"], o["sync"], o.get("rollout_only")
+        if a not in variants or s not in variants:
+            continue
+        ratios = []
+        for seed in variants[a]["per_seed"]:
+            sa, ss = variants[a]["per_seed"][seed], variants[s]["per_seed"].get(seed, {})
+            # generation-only: the rollout side alone (runtime.rollout_only) when the experiment has it, else
+            # the sync run's generation phases, which also wait at each batch's barrier for its slowest episode
+            sg = variants[g]["per_seed"].get(seed, {}).get("train_wall_s") if g in variants else ss.get("gen_total_s")
+            if sa.get("train_wall_s") and sg and ss.get("train_total_s"):
+                ratios.append({"seed": seed, "async_s": sa["train_wall_s"], "gen_only_s": sg,
+                               "gen_only_from": "rollout_only run" if g in variants else "sync generation phases",
+                               "sync_gen_s": ss.get("gen_total_s"), "train_only_s": ss["train_total_s"],
+                               "async_over_max": _r(sa["train_wall_s"] / max(sg, ss["train_total_s"]), 3),
+                               "async_over_sum": _r(sa["train_wall_s"] / (sg + ss["train_total_s"]), 3)})
+        extra.setdefault("overlap", {})[f"{a} vs {g or s}"] = ratios
     return {"experiment": exp.name, "preset": preset, "description": exp.description, "seeds": exp.seeds,
             "overrides": exp.overrides, "config": exp.config, "analysis": exp.analysis, "phase_starts": starts,
             "variants": variants, **extra, "runs": infos}
@@ -106,9 +116,11 @@ def markdown(res: dict) -> str:
             f"`{n}` {_fmt(a)}" for n, a in res["accuracy_at_equal_wall"].items())]
     for pair, ratios in res.get("overlap", {}).items():
         lines += ["", f"Overlap ({pair}): " + "; ".join(
-            f"seed {r['seed']}: async {r['async_s']:.0f} s / max(gen-only {r['gen_only_s']:.0f} s, train-only "
-            f"{r['train_only_s']:.0f} s) = {r['async_over_max']} (1.0 is the physical limit; gen+train gives "
-            f"{r['async_over_sum']} of the sum)" for r in ratios)]
+            f"seed {r['seed']}: async {r['async_s']:.0f} s / max(gen-only {r['gen_only_s']:.0f} s "
+            f"({r.get('gen_only_from', 'sync generation phases')}), train-only {r['train_only_s']:.0f} s) = "
+            f"{r['async_over_max']} (1.0 is the physical limit; {r['async_over_sum']} of gen-only + train-only"
+            + (f"; sync's generation phases took {r['sync_gen_s']:.0f} s" if r.get("sync_gen_s") else "") + ")"
+            for r in ratios)]
     lines += ["", "Commands (run from the repository root):", ""]
     lines += [f"    {r['command']}" for r in res["runs"]]
     return "\n".join(lines) + "\n"

@@ -45,6 +45,57 @@ def write_results(exp, runs: dict, infos: list[dict], starts, preset: str, out: 
     return res
 
 
+def _previous_records(root: Path, out_dir: Path) -> dict[str, dict]:
+    """run folder name -> what an earlier bench recorded about it (command, exit status, process time):
+    root/bench.json, else the run list of the results.json it wrote."""
+    known: dict[str, dict] = {}
+    try:
+        for r in json.loads((out_dir / "results.json").read_text()).get("runs", []):
+            if Path(r["run_dir"]).parent == root:
+                known[Path(r["run_dir"]).name] = r
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        pass
+    try:
+        known.update(json.loads((root / "bench.json").read_text()))
+    except (OSError, json.JSONDecodeError):
+        pass
+    return known
+
+
+def finished_run(exp, variant: str, seed: int, root: Path, extra: list[str], steps: int,
+                 previous: dict[str, dict]) -> dict | None:
+    """The record of a run already finished in `root` with the same command (None: run it). A bench that
+    was interrupted, or whose analysis changed, continues from its folder instead of re-training."""
+    from sao.bench.experiment import train_args
+
+    run_dir = root / f"{variant}-s{seed}"
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if summary.get("steps") != steps:
+        return None
+    command = "sao train " + " ".join(train_args(exp, variant, seed, root, extra))
+    prev = previous.get(run_dir.name, {})
+    if prev.get("command", command) != command:
+        return None  # same folder, different settings: run again
+    log_lines = (root / f"{variant}-s{seed}.log").read_text().strip().splitlines() if (
+        root / f"{variant}-s{seed}.log").is_file() else []
+    return {"variant": variant, "seed": seed, "run_dir": str(run_dir), "returncode": prev.get("returncode", 0),
+            "budget_stopped": prev.get("budget_stopped", False), "process_s": prev.get("process_s"),
+            "command": command, "last_line": log_lines[-1] if log_lines else "", "reused": True}
+
+
+def _record(root: Path, info: dict) -> None:
+    path = root / "bench.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    known[Path(info["run_dir"]).name] = {k: info[k] for k in ("command", "returncode", "budget_stopped", "process_s")}
+    path.write_text(json.dumps(known, indent=1))
+
+
 def bench(name: str, quick: bool = False, out: str | None = None, runs_root: str | None = None,
           extra: list[str] | None = None, log=print) -> dict:
     extra = extra or []
@@ -60,12 +111,18 @@ def bench(name: str, quick: bool = False, out: str | None = None, runs_root: str
     runs: dict[str, dict[int, dict]] = {v: {} for v in exp.variants}
     infos: list[dict] = []
     t0 = time.time()
+    previous = _previous_records(root, out_dir)
     for i, (seed, variant) in enumerate(jobs, 1):
-        info = run_variant(exp, variant, seed, root, extra, steps, f"[{i}/{len(jobs)}]", log)
+        info = finished_run(exp, variant, seed, root, extra, steps, previous)
+        if info is not None:
+            log(f"[{i}/{len(jobs)}] {variant} seed {seed}: finished in {root} already, reused")
+        else:
+            info = run_variant(exp, variant, seed, root, extra, steps, f"[{i}/{len(jobs)}]", log)
+            _record(root, info)
+            state = "ok" if info["returncode"] == 0 else f"exit {info['returncode']}: {info['last_line']}"
+            log(f"[{i}/{len(jobs)}] {variant} seed {seed}: {state} ({info['process_s']:.0f}s)")
         infos.append(info)
         runs[variant][seed] = load_run(Path(info["run_dir"]))
-        state = "ok" if info["returncode"] == 0 else f"exit {info['returncode']}: {info['last_line']}"
-        log(f"[{i}/{len(jobs)}] {variant} seed {seed}: {state} ({info['process_s']:.0f}s)")
         write_results(exp, runs, infos, starts, preset, out_dir)  # after every run: a crash keeps the rest
     res = write_results(exp, runs, infos, starts, preset, out_dir)
     plot(res, runs, out_dir / "curves.png")

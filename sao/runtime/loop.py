@@ -106,7 +106,10 @@ def run_async(trainer, backend) -> None:
         version = learner.actor_version  # the policy this batch updates; lag is measured against it
         batch, wait_s = next_batch(trainer, backend, step, version)
         trainer.totals["wait_s"] += wait_s
-        metrics = learner.step(collate(batch, trainer.codec.tokenizer.pad_token_id))
+        if cfg.runtime.rollout_only:  # the rollout side alone: the batch is counted, not trained on
+            metrics = {"reward/mean": sum(t.reward for t in batch) / len(batch)}
+        else:
+            metrics = learner.step(collate(batch, trainer.codec.tokenizer.pad_token_id))
         if threads is not None:
             metrics.update(threads.end_step())
         sched.trained(batch, step)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sao.config import Config, ConfigError
 from sao.envs import make_environment
+from sao.envs.latency import LatencyOptions
 from sao.models.chat import ChatCodec
 from sao.models.tiny import build_tiny_model, load_model
 from sao.models.tokenizer import load_tokenizer
@@ -38,8 +39,12 @@ def demo_example(codec: ChatCodec, messages: list[dict[str, str]]) -> Example:
 
 
 def base_model_key(cfg: Config) -> str:
+    # the latency knobs only delay environment steps: the same demos, so the same SFT model (an experiment
+    # with tool latency must not rebuild it)
+    env = cfg.env.model_dump()
+    env["options"] = {k: v for k, v in env["options"].items() if k not in LatencyOptions.model_fields}
     blob = json.dumps({"fmt": SFT_FORMAT, "model": cfg.model.model_dump(exclude={"path", "cache_dir", "lora"}),
-                       "sft": cfg.sft.model_dump(), "env": cfg.env.model_dump()}, sort_keys=True)
+                       "sft": cfg.sft.model_dump(), "env": env}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

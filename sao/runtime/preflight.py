@@ -33,6 +33,9 @@ def check_runtime(cfg: Config) -> None:
     if r.mode == "sync" and (r.rollout_workers > 1 or r.backend != "local"):
         raise ConfigError("runtime.mode=sync generates in the trainer process: it uses no rollout workers "
                           "(runtime.rollout_workers must be 1 and runtime.backend local)")
+    if r.rollout_only and r.mode != "async":
+        raise ConfigError("runtime.rollout_only measures the async rollout side alone; it needs runtime.mode=async "
+                          "(sync's generation time is perf/gen_total_s of any sync run)")
     if r.backend == "local" and r.ray_address:
         raise ConfigError("runtime.ray_address is set but runtime.backend=local; set runtime.backend=ray")
     if r.backend == "ray":
