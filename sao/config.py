@@ -112,8 +112,9 @@ class AlgoConfig(Section):
     ppo_minibatches: int = Field(4, ge=1, description=(
         "actor updates per pass for PPO-loss algorithms; pi_old is computed once before them, so from the "
         "second update on the ratio moves away from 1 and the clip acts; must divide train.batch_size"))
-    step_value: Literal["last", "mean"] = Field("last", description=(
-        "sao_step_gae: a turn's value is that of its last action token or the mean over the turn"))
+    step_value: Literal["state", "mean", "last"] = Field("state", description=(
+        "sao_step_gae: a turn's value is that of the state it starts from (state), the mean over its action "
+        "tokens (mean), or the value before its last action token (last: has seen the action; no signal)"))
     running_mean_window: int = Field(8, ge=1, description="rewards averaged by the running-mean baseline")
     running_mean_per_prompt: bool = Field(True, description=(
         "running mean per prompt, keyed by the prompt's tokens (else one global window of all rewards)"))

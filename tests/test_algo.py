@@ -156,6 +156,8 @@ def test_explained_variance():
 def test_step_level_values_per_turn():
     v = torch.tensor([[9.0, 1.0, 2.0, 9.0, 3.0, 5.0]])
     mask = torch.tensor([[0, 1, 1, 0, 1, 1.0]])
+    assert torch.equal(step_level_values(v, mask, "state"), torch.tensor([[0, 1.0, 1.0, 0, 3.0, 3.0]]))
+    assert torch.equal(step_level_values(v, mask), step_level_values(v, mask, "state"))  # the default
     assert torch.equal(step_level_values(v, mask, "last"), torch.tensor([[0, 2.0, 2.0, 0, 5.0, 5.0]]))
     assert torch.equal(step_level_values(v, mask, "mean"), torch.tensor([[0, 1.5, 1.5, 0, 4.0, 4.0]]))
 

@@ -73,6 +73,11 @@ def test_step_level_gae_one_advantage_per_turn_lambda_from_turns():
     assert float(lam[0]) == pytest.approx(2 / 3)
     a0, a1 = 0.4 + 0.8 / 3, 0.4
     assert torch.allclose(adv, torch.tensor([[0, a0, a0, 0, a1, a1, a1, 0]]), atol=1e-6)
+    adv, _ = step_level_gae(rewards, values, mask, 1.0, 1.5, mode="state")
+    # values of the states each turn starts from (critic head before the turn) V0 = 0.1, V1 = 0.4:
+    # A1 = 1 - 0.4 = 0.6; A0 = 0 + 0.4 - 0.1 + (2/3)*0.6 = 0.7
+    a0, a1 = 0.7, 0.6
+    assert torch.allclose(adv, torch.tensor([[0, a0, a0, 0, a1, a1, a1, 0]]), atol=1e-6)
     adv, _ = step_level_gae(rewards, values, mask, 1.0, 1.5, mode="mean")
     # turn means V0 = 0.15, V1 = 0.5: A1 = 0.5; A0 = 0.5 - 0.15 + (2/3)*0.5 = 0.6833
     a0, a1 = 0.35 + 1 / 3, 0.5

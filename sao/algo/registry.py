@@ -52,8 +52,8 @@ register_algorithm(Algorithm("sao_k1", "gae", "dis", critic_updates=1, doc=(
 register_algorithm(Algorithm("sao_no_freeze", "gae", "dis", freeze_attention=False, doc=(
     "ablation (paper Table 2): SAO whose critic trains its attention projections too")))
 register_algorithm(Algorithm("sao_step_gae", "gae", "dis", step_level=True, doc=(
-    "ablation (paper App. A.1): one value per turn (algo.step_value: its last action token or the turn "
-    "mean), GAE over turns with lambda_policy from the number of turns, the turn's advantage on each of "
+    "ablation (paper App. A.1): one value per turn (algo.step_value: the state the turn starts from, or "
+    "the turn mean), GAE over turns with lambda_policy from the number of turns, the turn's advantage on each of "
     "its action tokens")))
 register_algorithm(Algorithm("vapo", "gae", "ppo", doc=(
     "VAPO-style (vanilla, as the SAO paper's baseline): one rollout, critic + token-level GAE, PPO clip "
