@@ -38,7 +38,9 @@ def test_collapse_detector():
     assert collapse(_run([(0, 0.3), (10, 0.3)], loss=loss))[0] == 9
     # the same entropy on a policy that converged: every evaluation from step 7 on is >= 90% of its best
     assert collapse(_run([(0, 0.3), (6, 0.9), (8, 0.95), (10, 0.9)], entropy=ent)) == (None, "")
-    # near-deterministic but stuck far below its best (0.95 -> 0.6): still an entropy collapse
+    # entropy gone while accuracy still climbs, ending at its best: convergence as well
+    assert collapse(_run([(0, 0.3), (6, 0.5), (8, 0.8), (10, 0.95)], entropy=ent)) == (None, "")
+    # near-deterministic but ending far below its best (0.95 -> 0.6): still an entropy collapse
     assert collapse(_run([(0, 0.3), (6, 0.95), (8, 0.7), (10, 0.6)], entropy=ent))[0] == 7
 
 

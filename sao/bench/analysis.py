@@ -18,6 +18,7 @@ CURVES = {  # results.json name -> metrics.jsonl key (per training step)
     "lag": "async/lag_mean",
     "entropy": "actor/entropy",
     "loss": "loss/policy",
+    "turns": "rollout/turns_mean",
 }
 
 
@@ -64,10 +65,10 @@ def collapse(run: dict, drop: float = 0.5, min_best: float = 0.1, entropy_frac: 
     - held-out accuracy more than `drop` below its best so far (best >= min_best) at an evaluation and
       at every later one, at least two evaluations in a row (one bad evaluation is noise);
     - entropy below `entropy_frac` of its first value and staying there to the end, unless the policy
-      converged: its best held-out accuracy is above its first and every evaluation from that step on
-      is at least `converged_frac` of that best. A policy that learned and settled on its best answers
-      may be near-deterministic; that is convergence, not a collapse. Entropy that collapses with no
-      gain, or with accuracy sliding, counts (and without evaluations after that step it counts alone)."""
+      converged: its best held-out accuracy is above its first and its last evaluation is at least
+      `converged_frac` of that best. A policy that learned and settled on its best answers may be
+      near-deterministic; that is convergence, not a collapse. Entropy that collapses with no gain, or
+      with accuracy ending below its best, counts (and without evaluations after that step it counts alone)."""
     signs = []
     if run["nonfinite"]:
         signs.append((min(run["nonfinite"]), "non-finite loss"))
@@ -86,8 +87,8 @@ def collapse(run: dict, drop: float = 0.5, min_best: float = 0.1, entropy_frac: 
         for i, (s, e) in enumerate(ent):
             if e < floor and all(x < floor for _, x in ent[i:]):
                 after = [a for t, a in zip(run["eval_step"], accs) if t >= s]
-                if after and top > accs[0] and min(after) >= converged_frac * top:
-                    break  # converged: it learned, and every evaluation from here on is near its best
+                if after and top > accs[0] and after[-1] >= converged_frac * top:
+                    break  # converged: it learned, and it ends near its best
                 signs.append((s, f"entropy {e:.3f} < {entropy_frac:.0%} of its start {ent[0][1]:.3f}"))
                 break
     return min(signs) if signs else (None, "")

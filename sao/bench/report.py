@@ -68,12 +68,22 @@ def summarize(exp, runs: dict[str, dict[int, dict]], infos: list[dict], starts: 
             # generation-only: the rollout side alone (runtime.rollout_only) when the experiment has it, else
             # the sync run's generation phases, which also wait at each batch's barrier for its slowest episode
             sg = variants[g]["per_seed"].get(seed, {}).get("train_wall_s") if g in variants else ss.get("gen_total_s")
-            if sa.get("train_wall_s") and sg and ss.get("train_total_s"):
-                ratios.append({"seed": seed, "async_s": sa["train_wall_s"], "gen_only_s": sg,
-                               "gen_only_from": "rollout_only run" if g in variants else "sync generation phases",
-                               "sync_gen_s": ss.get("gen_total_s"), "train_only_s": ss["train_total_s"],
-                               "async_over_max": _r(sa["train_wall_s"] / max(sg, ss["train_total_s"]), 3),
-                               "async_over_sum": _r(sa["train_wall_s"] / (sg + ss["train_total_s"]), 3)})
+            if not (sa.get("train_wall_s") and sg and ss.get("train_total_s")):
+                continue
+            aw, tr = sa["train_wall_s"], ss["train_total_s"]
+            r = {"seed": seed, "async_s": aw, "gen_only_s": sg,
+                 "gen_only_from": "rollout_only run" if g in variants else "sync generation phases",
+                 "sync_gen_s": ss.get("gen_total_s"), "train_only_s": tr,
+                 "async_over_max": _r(aw / max(sg, tr), 3), "async_over_sum": _r(aw / (sg + tr), 3)}
+            if g in variants:
+                # the rollout-only policy never learns, so its episodes may take fewer environment steps
+                # (tool calls) than the trained run's; with environment latency the time goes per step
+                ta, tg = mean(runs[a][seed]["turns"]), mean(runs[g][seed]["turns"])
+                if ta and tg:
+                    scaled = sg * ta / tg
+                    r.update(turns_async=_r(ta, 3), turns_rollout_only=_r(tg, 3), gen_only_turn_scaled_s=_r(scaled, 1),
+                             async_over_max_turn_scaled=_r(aw / max(scaled, tr), 3))
+            ratios.append(r)
         extra.setdefault("overlap", {})[f"{a} vs {g or s}"] = ratios
     return {"experiment": exp.name, "preset": preset, "description": exp.description, "seeds": exp.seeds,
             "overrides": exp.overrides, "config": exp.config, "analysis": exp.analysis, "phase_starts": starts,
@@ -115,12 +125,17 @@ def markdown(res: dict) -> str:
         lines += ["", f"Held-out accuracy at equal training wall-clock ({res['equal_wall_s']:.0f} s): " + ", ".join(
             f"`{n}` {_fmt(a)}" for n, a in res["accuracy_at_equal_wall"].items())]
     for pair, ratios in res.get("overlap", {}).items():
-        lines += ["", f"Overlap ({pair}): " + "; ".join(
-            f"seed {r['seed']}: async {r['async_s']:.0f} s / max(gen-only {r['gen_only_s']:.0f} s "
-            f"({r.get('gen_only_from', 'sync generation phases')}), train-only {r['train_only_s']:.0f} s) = "
-            f"{r['async_over_max']} (1.0 is the physical limit; {r['async_over_sum']} of gen-only + train-only"
-            + (f"; sync's generation phases took {r['sync_gen_s']:.0f} s" if r.get("sync_gen_s") else "") + ")"
-            for r in ratios)]
+        for r in ratios:
+            text = (f"seed {r['seed']}: async {r['async_s']:.0f} s / max(gen-only {r['gen_only_s']:.0f} s "
+                    f"({r.get('gen_only_from', 'sync generation phases')}), train-only {r['train_only_s']:.0f} s) = "
+                    f"{r['async_over_max']} (1.0 is the physical limit; {r['async_over_sum']} of gen-only + train-only)")
+            if r.get("sync_gen_s"):
+                text += f"; sync's generation phases took {r['sync_gen_s']:.0f} s"
+            if r.get("gen_only_turn_scaled_s"):
+                text += (f"; the rollout-only policy took {r['turns_rollout_only']} environment turns per episode and "
+                         f"the trained one {r['turns_async']}: scaled to those, gen-only is "
+                         f"{r['gen_only_turn_scaled_s']:.0f} s and the ratio {r['async_over_max_turn_scaled']}")
+            lines += ["", f"Overlap ({pair}): {text}"]
     lines += ["", "Commands (run from the repository root):", ""]
     lines += [f"    {r['command']}" for r in res["runs"]]
     return "\n".join(lines) + "\n"
