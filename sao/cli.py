@@ -167,7 +167,7 @@ def cmd_report(ns) -> int:
 def cmd_bench(ns) -> int:
     from sao.bench.run import bench
 
-    bench(ns.experiment, quick=ns.quick, out=ns.out, runs_root=ns.runs, extra=ns.args)
+    bench(ns.experiment, quick=ns.quick, out=ns.out, runs_root=ns.runs, extra=ns.args, seeds=ns.seeds)
     return 0
 
 
@@ -219,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", help="dotted overrides applied to every variant")
     p.add_argument("--quick", action="store_true", help="the experiment's quick preset (minutes)")
     p.add_argument("--out", help="results folder (default: benchmarks/results/EXPERIMENT/PRESET)")
+    p.add_argument("--seeds", nargs="+", type=int, help="train.seed of each repeat, instead of the experiment's")
     p.add_argument("--runs", help=("folder for the run directories (default: runs/bench/EXPERIMENT-PRESET-TIME); "
                          "runs already finished there with the same command are reused, not re-trained"))
     p.set_defaults(fn=cmd_bench)

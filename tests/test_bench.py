@@ -51,6 +51,11 @@ def test_quick_preset_replaces_analysis_settings():
     assert quick.analysis["recovery"]["window"] == 2  # fits in the quick preset's 3-step phases
     phases = next(o for o in quick.overrides if o.startswith("env.options.phases"))
     assert "start: 3" in phases
+    # --seeds replaces the seeds of either preset
+    assert online.preset(quick=False, seeds=[4]).seeds == [4] and online.preset(quick=True, seeds=[5, 6]).seeds == [5, 6]
+    from sao.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "stability", "--seeds", "0", "1"]).seeds == [0, 1]
 
 
 def test_time_to_target_accuracy_at_and_recovery():

@@ -56,13 +56,13 @@ class Experiment(BaseModel):
     analysis: dict[str, Any] = Field(default_factory=dict, description="collapse, target_accuracy, overlap, recovery")
     quick: Preset = Field(default_factory=Preset, description="the --quick preset")
 
-    def preset(self, quick: bool) -> Experiment:
-        """The experiment with the --quick preset applied (or as is)."""
+    def preset(self, quick: bool, seeds: list[int] | None = None) -> Experiment:
+        """The experiment with the --quick preset applied (or as is), and `seeds` (--seeds) if given."""
         if not quick:
-            return self
+            return self.model_copy(update={"seeds": list(seeds)}) if seeds else self
         return self.model_copy(update={
             "overrides": self.overrides + self.quick.overrides,
-            "seeds": self.quick.seeds or self.seeds,
+            "seeds": list(seeds or self.quick.seeds or self.seeds),
             "budget_s": self.quick.budget_s or self.budget_s,
             "analysis": {**self.analysis, **self.quick.analysis},
         })

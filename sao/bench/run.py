@@ -97,9 +97,9 @@ def _record(root: Path, info: dict) -> None:
 
 
 def bench(name: str, quick: bool = False, out: str | None = None, runs_root: str | None = None,
-          extra: list[str] | None = None, log=print) -> dict:
+          extra: list[str] | None = None, log=print, seeds: list[int] | None = None) -> dict:
     extra = extra or []
-    exp = load_experiment(name).preset(quick)
+    exp = load_experiment(name).preset(quick, seeds)
     preset = "quick" if quick else "full"
     check_runs(exp, extra)  # every variant's config is valid before the first run starts
     out_dir = Path(out) if out else Path("benchmarks") / "results" / exp.name / preset
