@@ -110,6 +110,12 @@ def train_args(exp: Experiment, variant: str, seed: int, runs_root: Path, extra:
     return ([exp.config] if exp.config else []) + list(merged.values())
 
 
+def last_line(path: Path) -> str:
+    """The last line a run printed (its summary, or why it failed); "" without a log."""
+    lines = path.read_text().strip().splitlines() if path.is_file() else []
+    return lines[-1] if lines else ""
+
+
 def check_runs(exp: Experiment, extra: list[str]) -> None:
     """Every variant's config is valid, before the first run starts (a typo fails in seconds)."""
     from sao.config import load_config
@@ -167,7 +173,6 @@ def run_variant(exp: Experiment, variant: str, seed: int, runs_root: Path, extra
             if now - last >= 10:
                 last = now
                 log(f"{label} {variant} seed {seed}: {_progress_line(run_dir, total_steps)} ({now - t0:.0f}s)")
-    tail = (runs_root / f"{variant}-s{seed}.log").read_text().strip().splitlines()[-1:]
     return {"variant": variant, "seed": seed, "run_dir": str(run_dir), "returncode": proc.returncode,
             "budget_stopped": stopped, "process_s": time.time() - t0, "command": "sao train " + " ".join(args),
-            "last_line": tail[0] if tail else ""}
+            "last_line": last_line(runs_root / f"{variant}-s{seed}.log")}

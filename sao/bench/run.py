@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from sao.bench.analysis import load_run
-from sao.bench.experiment import check_runs, load_experiment, run_variant
+from sao.bench.experiment import check_runs, last_line, load_experiment, run_variant, train_args
 from sao.bench.report import markdown, plot, summarize
 
 
@@ -66,8 +66,6 @@ def finished_run(exp, variant: str, seed: int, root: Path, extra: list[str], ste
                  previous: dict[str, dict]) -> dict | None:
     """The record of a run already finished in `root` with the same command (None: run it). A bench that
     was interrupted, or whose analysis changed, continues from its folder instead of re-training."""
-    from sao.bench.experiment import train_args
-
     run_dir = root / f"{variant}-s{seed}"
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -79,11 +77,9 @@ def finished_run(exp, variant: str, seed: int, root: Path, extra: list[str], ste
     prev = previous.get(run_dir.name, {})
     if prev.get("command", command) != command:
         return None  # same folder, different settings: run again
-    log_lines = (root / f"{variant}-s{seed}.log").read_text().strip().splitlines() if (
-        root / f"{variant}-s{seed}.log").is_file() else []
     return {"variant": variant, "seed": seed, "run_dir": str(run_dir), "returncode": prev.get("returncode", 0),
             "budget_stopped": prev.get("budget_stopped", False), "process_s": prev.get("process_s"),
-            "command": command, "last_line": log_lines[-1] if log_lines else "", "reused": True}
+            "command": command, "last_line": last_line(root / f"{variant}-s{seed}.log"), "reused": True}
 
 
 def _record(root: Path, info: dict) -> None:
