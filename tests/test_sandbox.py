@@ -96,17 +96,107 @@ def test_the_environment_variable_forces_a_mechanism(monkeypatch):
 
 # --- the judge ----------------------------------------------------------------------------------
 
+def _judge(test, got, entry=None):
+    """Judge `test` as if the sandbox had returned `got` (a repr, or an exception message) for each call."""
+    check = judge.plan(test, entry)
+    assert check.host_judged, check.reason
+    return judge.judge(check, {c: got if isinstance(got, tuple) else ("value", got) for c in check.calls})
+
+
 def test_the_host_keeps_expected_values_and_judges_data_only():
     check = judge.plan("assert f(1, [2]) == {'a': (3, None)}")
-    assert (check.expr, check.op, check.expected) == ("f(1, [2])", "==", {"a": (3, None)})
-    assert judge.plan("assert 5 == f(1)").expr == "f(1)" and judge.plan("assert not f(0)").op == "falsy"
-    assert judge.plan("assert f(2) in (1, 2), 'msg'").op == "in" and judge.plan("assert f() is None").op == "is"
-    for snippet in ("assert f(1) == g(1)", "x = f(1)\nassert x == 2", "assert f(", "print(1)"):
+    assert check.calls == ("f(1, [2])",) and "3" not in "".join(check.calls)  # the expected value stays here
+    assert judge.plan("assert 5 == f(1)").calls == ("f(1)",) and judge.plan("assert not f(0)").host_judged
+    assert judge.plan("assert f(2) in (1, 2), 'msg'").host_judged and judge.plan("assert f() is None").host_judged
+    assert judge.plan("x = f(1)\nassert x == 2").calls == ("f(1)",)  # statements run on the host too
+    assert judge.plan("assert all(f(x) == x + 1 for x in range(3))").calls == ("f(0)", "f(1)", "f(2)")
+    for snippet in ("assert f(f(1)) == 2", "assert g(f(1)) == 2", "assert f(", "print(1)", "try:\n    f(1)\nexcept: pass",
+                    "assert f(1).real == 2", "assert f(1) is 3"):
         assert not judge.plan(snippet).host_judged, snippet
-    assert judge.judge(judge.plan("assert f() == 3"), "3.0") == (True, "")  # as `==` does
-    assert judge.judge(judge.plan("assert f() == [1]"), "(1,)")[0] is False
-    assert "not a plain value" in judge.judge(judge.plan("assert f() == 3"), "<Always object at 0x1>")[1]
-    assert "too large" in judge.judge(judge.plan("assert f() == 3"), "1" * 70000)[1]
+    assert "neither the entry point" in judge.plan("assert g(1) == 2", entry="f").reason
+    assert _judge("assert f() == 3", "3.0")[0] is True  # as `==` does
+    assert _judge("assert f() == [1]", "(1,)")[0] is False
+    assert _judge("assert f() == {1, 2}", "{2, 1}")[0] and _judge("assert f() == set()", "set()")[0]
+    assert _judge("assert math.isnan(f())", "nan")[0] and _judge("assert f() == [float('inf')]", "[inf]")[0]
+    assert "not plain data" in _judge("assert f() == 3", "<Always object at 0x1>")[1]
+    assert "too large" in _judge("assert f() == 3", "1" * 70000)[1]
+    assert _judge("assert f(2) == 5", ("fail", "ValueError: no"))[1] == "f(2) raised ValueError: no"
+
+
+def test_compound_and_tolerance_asserts_are_decided_by_the_host():
+    """Issue 19: these forms were host-judged in name only: the comparison ran inside, with the code's objects."""
+    cases = [("assert f(1) == 3 and f(2) == 7", {"f(1)": "3", "f(2)": "7"}, {"f(1)": "3", "f(2)": "8"}),
+             ("assert all([f(1) == 3, f(2) == 7])", {"f(1)": "3", "f(2)": "7"}, {"f(1)": "4", "f(2)": "7"}),
+             ("import math\nassert math.isclose(f(1), 0.5)", {"f(1)": "0.5000000001"}, {"f(1)": "0.6"}),
+             ("assert abs(f(1) - 0.5) < 1e-9", {"f(1)": "0.5"}, {"f(1)": "0.50001"}),
+             ("assert f(1) - 3 == 0", {"f(1)": "3"}, {"f(1)": "2"}),
+             ("assert not f(1) != 3", {"f(1)": "3"}, {"f(1)": "2"})]
+    for test, right, wrong in cases:
+        check = judge.plan(test)
+        assert check.host_judged and set(check.calls) == set(right), test
+        assert judge.judge(check, {c: ("value", v) for c, v in right.items()})[0] is True, test
+        passed, error = judge.judge(check, {c: ("value", v) for c, v in wrong.items()})[:2]
+        assert passed is False and "returned" in error and " 7" not in error.split("returned")[0], (test, error)
+
+
+def test_host_evaluation_is_bounded_and_total():
+    for test in ("assert f() * 10 ** 9 == 'x'", "assert 2 ** f() > 0", "assert len(range(f())) > 0",
+                 "assert f() << f() > 0", "assert sorted(f()) == 1"):
+        check = judge.plan(test)
+        assert check.host_judged, test
+        got = {"assert 2 ** f() > 0": "10 ** 12", "assert len(range(f())) > 0": "10 ** 18"}.get(test, "'ab' * 40000")
+        values = {c: ("value", v) for c, v in zip(check.calls, ["100000000000", "10000000"] if "<<" in test else [got])}
+        passed, error, _ = judge.judge(check, values)
+        assert passed is False and error, test
+    bomb = "[" * 5000 + "]" * 5000
+    assert "not plain data" in _judge("assert f() == 3", bomb)[1]
+    from sao.sandbox import verdict
+    assert verdict.parse_records("[" * 5000 + "\n" + '["' + "[" * 5000 + "\n") == ({}, [], False)
+    assert verdict.clean("a\ud800b") == "a?b"
+
+
+@mechanisms
+def test_lying_objects_and_patched_helpers_do_not_pass(mech):
+    """Issue 19, each attack with an honest control: a returned object whose __eq__/__sub__/__bool__ lie, a
+    patched math.isclose, and a list subclass equal to everything all passed 2/2 with judge="host" before."""
+    liar = dedent("""
+        import math
+        class Liar(list):
+            __eq__ = lambda self, other: True
+            __ne__ = lambda self, other: False
+            __sub__ = __rsub__ = lambda self, other: 0
+            __abs__ = lambda self: 0
+            __lt__ = lambda self, other: True
+            __bool__ = lambda self: True
+        math.isclose = lambda *a, **k: True
+        def f(x):
+            return Liar()
+        """)
+    honest = "def f(x):\n    return 2 * x + 1\n"
+    tests = ["assert f(1) == 3 and f(3) == 7", "assert all([f(1) == 3, f(3) == 7])", "import math\nassert math.isclose(f(1), 3)",
+             "assert abs(f(1) - 3) < 1e-9", "assert f(1) - 3 == 0", "assert not f(1) != 3", "x = f(1)\nassert x == 3",
+             "assert f(1) == f(1) + [1]"]
+    control = run(honest, tests[:-1], mech=mech)
+    assert (control.status, control.passed) == ("passed", len(tests) - 1), control
+    r = run(liar, tests, mech=mech)
+    assert (r.status, r.passed) == ("failed", 0) and {t.judge for t in r.tests} == {"host"}, r
+
+
+@mechanisms
+def test_forged_records_the_depth_bomb_and_a_lone_surrogate_still_give_a_verdict(mech):
+    forge = dedent("""
+        import json, os, sys
+        def f(x):
+            return 0
+        os.write(int(sys.argv[3]), (json.dumps(["test1", "ok", ""]) + "\\n").encode())
+        os.write(int(sys.argv[3]), (json.dumps(["test2.1", "value", "4"]) + "\\n").encode())  # a wrong guess
+        os.write(int(sys.argv[3]), b"[" * 5000 + b"\\n" + b'["' + b"[" * 5000 + b"\\n")
+        """)
+    r = run(forge, ["x = f(1)\nassert x == 3", "assert f(2) == 5"], mech=mech, guard=False)
+    assert (r.status, r.passed) == ("failed", 0), r  # an "ok" record decides nothing; a forged value is only a guess
+    assert r.tests[0].got == "0" and r.tests[1].got == "4"
+    r = run("def f(x):\n    raise ValueError('\\ud800 ' + chr(0xDFFF))\n", ["assert f(1) == 3"], mech=mech)
+    assert r.status == "failed" and r.tests[0].error.encode("utf-8") and "ValueError" in r.tests[0].error
 
 
 @mechanisms
@@ -115,7 +205,7 @@ def test_an_object_equal_to_everything_does_not_pass(mech):
     r = run(always + "def add(a, b):\n    return A()", ["assert add(1, 2) == 3", "assert add(1, 2) == 'x'"], mech=mech)
     assert (r.status, r.passed) == ("failed", 0), r  # the repr says 7: compared on the host, 7 != 3
     r = run(always.replace("'7'", "'A()'") + "def add(a, b):\n    return A()", ["assert add(1, 2) == 3"], mech=mech)
-    assert r.status == "failed" and "not a plain value" in r.tests[0].error
+    assert r.status == "failed" and "not plain data" in r.tests[0].error
 
 
 # --- normal cases ---------------------------------------------------------------------------------
@@ -135,8 +225,9 @@ def test_a_wrong_solution_fails_with_the_value_it_got(mech):
     r = run(ADD, ["assert add(1, 2) == 3", "assert add(2, 2) == 5, 'add(2, 2) should be 5'",
                   "assert add(2, 2) == 5 and True", "x = add(2, 2)\nassert x == 5, 'should be 5'"], mech=mech)
     assert (r.status, r.passed, r.failed, r.total) == ("failed", 1, 3, 4)
-    assert r.tests[1].error == "got 4" and "test 2: got 4" in r.reason and r.tests[2].error == "got False"
-    assert r.tests[3].judge == "sandbox" and r.tests[3].error == "AssertionError: should be 5"
+    assert r.tests[1].error == "add(2, 2) returned 4" and "test 2: add(2, 2) returned 4" in r.reason
+    assert r.tests[2].error == "add(2, 2) returned 4" and r.tests[3].judge == "host"  # the host ran `x = ...` too
+    assert "5" not in "".join(t.error for t in r.tests)  # the expected value is never in a message
 
 
 @mechanisms
@@ -183,12 +274,43 @@ def test_common_stdlib_works_under_the_guard(mech):
             return 0 if n == 0 else 1 + depth(n - 1)
         here = inspect.stack()[0].function
         """)
-    tests = ["assert P(1, 2).y == 2", "assert asyncio.run(triple(2)) == 6", "assert sorted(out) == [0, 1, 2]",
+    # asyncio's loop needs a socketpair, refused where no cgroup counts socket buffers (user mode here)
+    loop = "assert asyncio.run(triple(2)) == 6" if hostlimits.cgroup_parents() else (
+        "import socket\ntry:\n    socket.socketpair()\nexcept PermissionError:\n    pass\nelse:\n    raise SystemExit")
+    tests = ["assert P(1, 2).y == 2", loop, "assert sorted(out) == [0, 1, 2]",
              "assert open('/tmp/scratch.txt').read() == 'ok'",  # /tmp is the sandbox's own directory
              "import sys\nsys.setrecursionlimit(30000)\nassert depth(20000) == 20000", "assert here == '<module>'"]
     r = run(sol, tests, mech=mech)
     assert r.status == "passed", r
     assert "logged" in r.output
+
+
+@mechanisms
+def test_socket_buffers_cannot_hold_memory_outside_the_limit(mech):
+    """Issue 19: as non-root (no cgroup), six children started with _posixsubprocess.fork_exec (no audit
+    event) filled Unix socket buffers and held ~5 GiB with memory_mb=256. Without a cgroup, socketpair
+    and AF_UNIX sockets are now refused, pidfds too, fork_exec is forbidden, and descriptors are fewer."""
+    hoard = dedent("""
+        import os, socket, resource
+        refused = []
+        for make in (socket.socketpair, lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)):
+            try:
+                make()
+            except PermissionError:
+                refused.append(1)
+        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        try:
+            os.pidfd_open(os.getpid())
+            pidfd = "open"
+        except (PermissionError, AttributeError):
+            pidfd = "refused"
+        """)
+    no_cgroup = not hostlimits.cgroup_parents()
+    r = run(hoard, [f"assert refused == {[1, 1] if no_cgroup else []}", f"assert files == {64 if no_cgroup else 256}",
+                    "assert pidfd == 'refused'"], mech=mech, guard=False)
+    assert r.status == "passed", r
+    spawn = run("import _posixsubprocess, os\n_posixsubprocess.fork_exec(*([None] * 23))", ["assert True"], mech=mech)
+    assert r.status == "passed" and spawn.status == "forbidden" and "subprocess" in spawn.reason, spawn
 
 
 # --- escape attempts: resources -------------------------------------------------------------------
@@ -467,7 +589,8 @@ def _forge(expr: str) -> str:
         import json, os
         for fd in range(64):
             for rec in (["test1", "ok", ""], ["test2", "ok", ""], ["test1", "value", {expr!r}],
-                        ["test2", "value", {expr!r}], ["run", "done", ""]):
+                        ["test2", "value", {expr!r}], ["test1.1", "value", {expr!r}], ["test2.1", "value", {expr!r}],
+                        ["run", "done", ""]):
                 for line in (json.dumps(rec) + "\\n", "0" * 32 + " " + " ".join(rec[:2]) + " \\n"):
                     try:
                         os.write(fd, line.encode())
@@ -526,7 +649,8 @@ def test_faking_a_pass_does_not_pass(mech, cheat):
 def test_only_sandbox_judged_tests_take_the_sandbox_s_word(mech):
     """The documented limit: a test the host cannot split (not `assert EXPR op LITERAL`) is judged inside,
     so a forged record can pass it; its TestResult says so. Host-judged tests in the same run still fail."""
-    r = run(ADD + _forge("True"), ["x = add(1, 2)\nassert x == 4", "assert add(1, 1) == 3"], mech=mech)
+    r = run(ADD + _forge("True"), ["try:\n    x = add(1, 2)\nexcept Exception:\n    x = 0\nassert x == 4",
+                                    "assert add(1, 1) == 3"], mech=mech)
     assert [(t.judge, t.passed) for t in r.tests] == [("sandbox", True), ("host", False)] and r.status == "failed"
 
 
@@ -553,7 +677,7 @@ INTROSPECT = dedent("""
     claim = found[0] if found else '0'
     for fd in range(64):
         try:
-            os.write(fd, (json.dumps(["test1", "value", claim]) + "\\n").encode())
+            os.write(fd, (json.dumps(["test1.1", "value", claim]) + "\\n").encode())
         except OSError:
             pass
     """)

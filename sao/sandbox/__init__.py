@@ -10,11 +10,13 @@ ctypes, its own C extension), call any syscall the kernel lets it, and print any
 must not depend on anything it can reach. Hence:
 
 - The judge lives in the host process, outside the sandbox's namespaces. Nothing secret enters the
-  sandbox: a test `assert EXPR == LITERAL` sends only EXPR in, the sandbox returns `repr(value)`
-  over a capped pipe, and the host compares it with the LITERAL it kept (sao/sandbox/judge.py).
-  Records are structured JSON lines, each only the code's claim about its own values; the first
-  per test counts, and a forged one can only claim a value, which passes only if it is the
-  expected one. Tests of other forms are judged inside and marked `judge="sandbox"`.
+  sandbox: of a test, only its calls of the entry point with literal arguments (`f(1)`) go in; the
+  sandbox returns `repr(value)` over a capped pipe, and the host parses it as data and runs every
+  comparison, boolean operator and tolerance check itself (sao/sandbox/judge.py, hosteval.py).
+  Records are structured JSON lines, each only the code's claim about its own values, read totally
+  (sao/sandbox/verdict.py); the first per call counts, and a forged one can only claim a value,
+  which passes only if it is the expected one. Tests of other forms are judged inside and marked
+  `judge="sandbox"`; the code environment does not reward them by default.
 - Per-test results are data (`Verdict.tests`); program output is kept for people and never parsed
   for a verdict or an observation (sao/envs/code_env.py builds `<run_tests>` from `Verdict.tests`).
 - Host resources are capped from outside: memory per run, disk (only capped pipes and a

@@ -1,94 +1,69 @@
-"""The host-side judge: which part of a test the sandbox may see, and the comparison it may not.
+"""The host-side judge: which part of a test the sandbox may see, and everything it may not.
 
-A test `assert EXPR <op> LITERAL` (also `LITERAL == EXPR`, `assert EXPR`, `assert not EXPR`,
-`assert EXPR is None`) is split: only EXPR goes into the sandbox, which returns `repr(value)`; the
-host parses that with `ast.literal_eval` (data only, nothing runs) and applies `<op>` against the
-LITERAL it kept. Code in the sandbox can make EXPR return anything, but it never sees the expected
-value, so it passes only by returning it, which is what the test asks for. A value that is not a
-Python literal (an object with a custom `__eq__`, a generator) fails: the host compares data, not
-objects. Anything else (several statements, `assert f(x) == g(y)`) is a *sandbox-judged* test: it
-runs whole inside and its outcome is the sandbox's word (`TestResult.judge == "sandbox"`).
+A test is *host-judged* when the host can run all of it but the sandbox calls
+(sao/sandbox/hosteval.py): `assert f(1) == 3 and f(2) == 7`, `assert math.isclose(f(x), y)`,
+`assert abs(f(x) - y) < 1e-9`, `assert not f(x) != y`, `x = f(1); assert x in (1, 2)`, loops over
+host values, and HumanEval's `def check(candidate): assert candidate(...) == ...`. Only the calls
+(`f(1)`, with literal arguments) go into the sandbox, which returns `repr(value)`; the host parses
+that as data and runs every comparison, boolean operator and tolerance check itself, with its own
+objects and functions, against expected values that never entered the sandbox. The code under
+test can make a call return anything, but it passes only by returning what the test asks for.
+
+Anything else (a call whose argument is another call's result, a `try`, a helper the test defines,
+an attribute of a returned object) is *sandbox-judged*: it runs whole inside and its outcome is the
+code's own word (`TestResult.judge == "sandbox"`, `Check.reason` says why). The `code` environment
+does not pay reward for those by default (sao/envs/code_env.py, `sandbox_judged`).
 """
 
 from __future__ import annotations
 
-import ast
-import operator
 from dataclasses import dataclass
-from typing import Any
 
-MAX_VALUE_CHARS = 65536  # a longer repr is not parsed: the test fails ("value too large")
-_OPS = {ast.Eq: ("==", operator.eq), ast.NotEq: ("!=", operator.ne), ast.Lt: ("<", operator.lt),
-        ast.LtE: ("<=", operator.le), ast.Gt: (">", operator.gt), ast.GtE: (">=", operator.ge),
-        ast.In: ("in", lambda a, b: a in b), ast.NotIn: ("not in", lambda a, b: a not in b),
-        ast.Is: ("is", operator.is_), ast.IsNot: ("is not", operator.is_not)}
-_SYMMETRIC = (ast.Eq, ast.NotEq)
-_NO_VALUE = object()
-_FLOAT_WORDS = ("inf", "-inf", "nan")  # float reprs that are not literals
+from sao.sandbox import hosteval
+from sao.sandbox.hosteval import MAX_VALUE_CHARS, CallError, NotHostJudged, Program
+
+__all__ = ["MAX_VALUE_CHARS", "Check", "judge", "plan"]
 
 
 @dataclass(frozen=True)
 class Check:
-    """How one test is judged. `expr` (host-judged) or `source` (sandbox-judged) enters the sandbox."""
+    """How one test is judged. `calls` (host-judged) or `source` (sandbox-judged) enters the sandbox."""
 
     source: str
-    expr: str | None = None  # None: sandbox-judged
-    op: str = ""  # "==", ..., "truthy", "falsy"
-    expected: Any = _NO_VALUE  # stays on the host
+    program: Program | None = None  # None: sandbox-judged
+    calls: tuple[str, ...] = ()  # sources of the sandbox calls, literal arguments
+    reason: str = ""  # why the test is sandbox-judged
 
     @property
     def host_judged(self) -> bool:
-        return self.expr is not None
+        return self.program is not None
 
 
-def _literal(node: ast.AST) -> Any:
+def plan(test: str, entry: str | None = None) -> Check:
+    """The Check for one test snippet. `entry`: the task's entry point (the only name the sandbox
+    may supply); None lets any name the host does not know be a sandbox call (generated tasks' `f`)."""
     try:
-        return ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return _NO_VALUE
+        program = hosteval.program_of(test, entry)
+        calls = hosteval.collect(program)
+    except NotHostJudged as e:
+        return Check(test, reason=str(e))
+    except hosteval.TestFailed as e:
+        return Check(test, reason=f"the host cannot plan it: {e}")
+    except Exception as e:  # noqa: BLE001 - a form the planner does not expect is judged inside, and says so
+        return Check(test, reason=f"the host cannot plan it ({type(e).__name__})")
+    return Check(test, program, tuple(calls))
 
 
-def plan(test: str) -> Check:
-    """The Check for one test snippet."""
-    try:
-        tree = ast.parse(test)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return Check(test)  # the sandbox reports the syntax error
-    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
-        return Check(test)
-    cond = tree.body[0].test
-    if isinstance(cond, ast.Compare) and len(cond.ops) == 1 and type(cond.ops[0]) in _OPS:
-        op, left, right = type(cond.ops[0]), cond.left, cond.comparators[0]
-        expected = _literal(right)
-        if expected is _NO_VALUE and op in _SYMMETRIC:
-            left, right, expected = right, left, _literal(left)
-        if expected is _NO_VALUE or (op in (ast.Is, ast.IsNot) and expected not in (None, True, False)):
-            return Check(test)
-        return Check(test, ast.unparse(left), _OPS[op][0], expected)
-    if isinstance(cond, ast.UnaryOp) and isinstance(cond.op, ast.Not):
-        return Check(test, ast.unparse(cond.operand), "falsy")
-    return Check(test, ast.unparse(cond), "truthy")
+def judge(check: Check, results: dict[str, tuple[str, str]]) -> tuple[bool, str, str | None]:
+    """(passed, error, got) for a host-judged check, from the sandbox's (kind, text) per call.
 
-
-def judge(check: Check, got_repr: str) -> tuple[bool, str]:
-    """(passed, error) for the repr the sandbox returned for `check.expr`."""
-    if len(got_repr) > MAX_VALUE_CHARS:
-        return False, f"value too large ({len(got_repr)} characters)"
-    try:
-        got = float(got_repr) if got_repr in _FLOAT_WORDS else ast.literal_eval(got_repr)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False, f"got {_short(got_repr)}, which is not a plain value (a literal)"
-    try:
-        if check.op == "truthy":
-            ok = bool(got)
-        elif check.op == "falsy":
-            ok = not got
+    kind "value": text is the call's repr; anything else: the call failed with text as its message."""
+    values = {}
+    for call in check.calls:
+        kind, text = results.get(call, ("missing", "was not run"))
+        if kind == "value":
+            values[call] = hosteval.parse_value(text)
         else:
-            ok = bool(dict(_OPS.values())[check.op](got, check.expected))
-    except (TypeError, ValueError, RecursionError):
-        ok = False
-    return ok, "" if ok else f"got {_short(got_repr)}"
-
-
-def _short(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+            raised = kind in ("fail", "memory") and not text.startswith("not run")
+            values[call] = CallError(f"raised {text}" if raised else text)
+    return hosteval.run(check.program, values)

@@ -31,7 +31,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import sys
 import sysconfig
 import tempfile
@@ -39,10 +38,10 @@ import textwrap
 import threading
 import time
 
-from sao.sandbox import harness, judge
+from sao.sandbox import harness, hosteval, judge
 from sao.sandbox.hostlimits import cgroup_for, cgroup_oom, remove_cgroups, tree_rss_kib
 from sao.sandbox.protocol import DEFAULT_LIMITS, Limits, SandboxUnavailable, Verdict, one_line
-from sao.sandbox.verdict import build_verdict
+from sao.sandbox.verdict import build_verdict, parse_records
 
 MECHANISMS = ("bwrap", "unshare")  # in order of preference
 MECHANISM_ENV = "SAO_SANDBOX_MECHANISM"  # forces one of MECHANISMS
@@ -66,22 +65,44 @@ class NamespaceSandbox:
         self.requested, self.guard = mechanism, guard
         self.name = "namespace"
 
-    def run(self, code: str, tests: list[str] | str, limits: Limits = DEFAULT_LIMITS, *, setup: str = "") -> Verdict:
-        coro = self.run_async(code, tests, limits, setup=setup)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(coro)
-        out: list = []  # called from inside an event loop: run on a thread of its own
-        thread = threading.Thread(target=lambda: out.append(asyncio.run(coro)))
-        thread.start()
-        thread.join()
-        return out[0]
+    def run(self, code: str, tests: list[str] | str, limits: Limits = DEFAULT_LIMITS, *, setup: str = "",
+            entry: str | None = None) -> Verdict:
+        return _sync(self.run_async(code, tests, limits, setup=setup, entry=entry))
 
     async def run_async(self, code: str, tests: list[str] | str, limits: Limits = DEFAULT_LIMITS, *,
-                        setup: str = "") -> Verdict:
+                        setup: str = "", entry: str | None = None) -> Verdict:
         mechanism = await asyncio.to_thread(choose, self.requested)  # the first call probes (blocking)
-        return await _Run(code, tests, limits, setup, mechanism, self.guard).execute()
+        return await _Run(code, tests, limits, setup, mechanism, self.guard, entry).execute()
+
+
+    async def evaluate_async(self, code: str, exprs: list[str], limits: Limits = DEFAULT_LIMITS, *,
+                             setup: str = "") -> tuple[Verdict, list[tuple[str, str]]]:
+        """The Verdict of a run that evaluates `exprs` after `code`, and each one's (kind, text): ("value",
+        repr) or ("fail", message). For trusted code only (a task's reference solution, sao/sandbox/derive.py):
+        nothing here is judged."""
+        mechanism = await asyncio.to_thread(choose, self.requested)
+        checks = [judge.Check(expr, hosteval.Program((), (), None), (expr,)) for expr in exprs]
+        run = _Run(code, checks, limits, setup, mechanism, self.guard)
+        verdict = await run.execute()
+        steps = parse_records(getattr(run, "records", ""))[0]
+        return verdict, [steps.get(f"test{i + 1}.1", ("missing", "was not run")) for i in range(len(exprs))]
+
+    def evaluate(self, code: str, exprs: list[str], limits: Limits = DEFAULT_LIMITS, *,
+                 setup: str = "") -> tuple[Verdict, list[tuple[str, str]]]:
+        return _sync(self.evaluate_async(code, exprs, limits, setup=setup))
+
+
+def _sync(coro):
+    """Run a coroutine to its end from sync code, also when called from inside an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    out: list = []  # called from inside an event loop: run on a thread of its own
+    thread = threading.Thread(target=lambda: out.append(asyncio.run(coro)))
+    thread.start()
+    thread.join()
+    return out[0]
 
 
 def available_mechanism() -> str:
@@ -187,22 +208,26 @@ def _unshare_argv(network: bool) -> list[str]:
 class _Run:
     """One sandboxed execution: job, command line, capped pipes, the watch; then the Verdict."""
 
-    def __init__(self, code: str, tests, limits: Limits, setup: str, mechanism: str, guard: bool):
-        tests = [tests] if isinstance(tests, str) else list(tests)
-        self.checks = [judge.plan(t) for t in tests]
+    def __init__(self, code: str, tests, limits: Limits, setup: str, mechanism: str, guard: bool,
+                 entry: str | None = None):
+        tests = [tests] if isinstance(tests, (str, judge.Check)) else list(tests)
+        self.checks = [t if isinstance(t, judge.Check) else judge.plan(t, entry) for t in tests]
         self.limits, self.mechanism, self.guard = limits, mechanism, guard
         self.uid = UID_BASE + secrets.randbelow(UID_SPAN)
         self.dir = tempfile.mkdtemp(prefix="sao-sandbox-")  # stays empty: only a mount point, inside
         ro, links, exe = _host_paths()
         disk_mb = 4 * limits.max_file_mb
-        steps = [["setup", "exec", setup], ["solution", "exec", code]] + [
-            [f"test{i + 1}", "value" if c.host_judged else "exec", c.expr if c.host_judged else c.source]
-            for i, c in enumerate(self.checks)]  # expected values stay here
+        steps = [["setup", "exec", setup], ["solution", "exec", code]]
+        for i, c in enumerate(self.checks):  # a host-judged test sends only its calls: expected values stay here
+            steps += ([[f"test{i + 1}.{j + 1}", "value", call] for j, call in enumerate(c.calls)] if c.host_judged
+                      else [[f"test{i + 1}", "exec", c.source]])
+        self.step_names = [name for name, _, _ in steps]
+        self.cgroups = cgroup_for(limits)  # joined by a shell that then becomes the mechanism: all of it is inside
         job = {"steps": steps, "uid": self.uid, "guard": guard, "network": limits.network, "limits": vars(limits),
-               "root": self.dir, "ro": ro, "links": links, "devices": _DEVICES, "disk_mb": disk_mb}
+               "root": self.dir, "ro": ro, "links": links, "devices": _DEVICES, "disk_mb": disk_mb,
+               "cgroup": bool(self.cgroups)}
         self.payload = json.dumps(job).encode()
         prefix = _bwrap_argv(ro, links, disk_mb, limits.network) if mechanism == "bwrap" else _unshare_argv(limits.network)
-        self.cgroups = cgroup_for(limits)  # joined by a shell that then becomes the mechanism: all of it is inside
         joins = "".join(f"echo $$ > {d}/cgroup.procs; " for d in self.cgroups)
         join = ["sh", "-c", joins + 'exec "$@"', "sh"] if self.cgroups else []
         self.layers = "+".join([mechanism, "uid" if mode() == "root" else "userns", "seccomp", "rlimits"]
@@ -273,8 +298,8 @@ class _Run:
         transport.close()
         if cgroup_oom(self.cgroups):
             events.add("memory")
-        return build_verdict(self, records.decode("utf-8", "replace"), output.text(), proc.returncode, events,
-                             time.monotonic() - start)
+        self.records = records.decode("utf-8", "replace")
+        return build_verdict(self, self.records, output.text(), proc.returncode, events, time.monotonic() - start)
 
     async def _watch(self, proc, events: set) -> None:
         """Sum the resident memory (shared pages included) of every process of the run; kill it over the limit."""
@@ -316,8 +341,3 @@ def _harness_source() -> str:
     h = harness
     funcs = (h._h_main, h._h_enter_root, h._h_confine, h._h_seccomp, h._h_guard, h._h_run, h._h_steps, h._h_describe)
     return "\n".join(textwrap.dedent(inspect.getsource(f)) for f in funcs) + "\n_h_main()\n"
-
-
-def signal_name(returncode: int | None) -> str | None:
-    sig = -returncode if returncode and returncode < 0 else returncode - 128 if returncode and returncode > 128 else 0
-    return signal.Signals(sig).name if sig in set(signal.Signals) else None

@@ -26,17 +26,18 @@ DEFAULT_LIMITS = Limits()
 class TestResult:
     """One test's outcome. `judge` says who decided it:
 
-    "host": the sandbox returned a value and the host compared it with the expected value, which
-    never entered the sandbox; "sandbox": the test is not of a form the host can judge (see
-    `sao/sandbox/judge.py`), so its own asserts ran in the sandbox and their outcome is only as
-    trustworthy as the code under test.
+    "host": the sandbox returned plain values of the test's calls and the host ran every comparison
+    against expected values that never entered the sandbox; "sandbox": the test is not of a form
+    the host can judge (see `sao/sandbox/judge.py`), so its own asserts ran in the sandbox and their
+    outcome is only as trustworthy as the code under test.
     """
 
     index: int  # 1-based, in the order the tests were given
     passed: bool
     judge: str  # "host" | "sandbox"
-    got: str | None = None  # repr of the value the sandbox returned (host-judged tests), cut to 200 characters
-    error: str = ""  # one line: why it failed ("" when it passed)
+    got: str | None = None  # repr of the last value the sandbox returned (host-judged tests), cut to 200 characters
+    error: str = ""  # one line: why it failed ("" when it passed); host-judged: the calls and what they
+    # returned, never the expected value
 
 
 @dataclass
@@ -74,11 +75,13 @@ class Sandbox(Protocol):
 
     name: str
 
-    def run(self, code: str, tests: list[str] | str, limits: Limits = DEFAULT_LIMITS, *, setup: str = "") -> Verdict:
+    def run(self, code: str, tests: list[str] | str, limits: Limits = DEFAULT_LIMITS, *, setup: str = "",
+            entry: str | None = None) -> Verdict:
+        """`tests`: snippets or `judge.Check`s; `entry`: the task's entry point (see `judge.plan`)."""
         ...
 
     async def run_async(self, code: str, tests: list[str] | str, limits: Limits = DEFAULT_LIMITS, *,
-                        setup: str = "") -> Verdict:
+                        setup: str = "", entry: str | None = None) -> Verdict:
         ...
 
 

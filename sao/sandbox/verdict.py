@@ -13,18 +13,34 @@ import signal
 from sao.sandbox import judge
 from sao.sandbox.protocol import TestResult, Verdict, one_line
 
+MAX_RECORD_CHARS = judge.MAX_VALUE_CHARS + 4096  # a longer line is not a record: ignored unread
+
+
+def clean(text) -> str:
+    """Valid Unicode (lone surrogates become '?'), whatever the sandbox sent: every string of a Verdict
+    passes here, so no tokenizer or log downstream meets one it cannot encode."""
+    try:
+        return str(text).encode("utf-8", "replace").decode("utf-8")
+    except Exception:  # noqa: BLE001 - a str subclass that lies about itself
+        return "<unreadable>"
+
 
 def parse_records(text: str) -> tuple[dict[str, tuple[str, str]], list[str], bool]:
-    """Per-step (kind, text) (the first record of a step counts), forbidden actions, and whether the run ended."""
+    """Per-step (kind, text) (the first record of a step counts), forbidden actions, and whether the run ended.
+
+    Total: a line that is too long, too deep, not JSON or not a [str, str, str] record is ignored,
+    whatever exception reading it raises; a test whose record is ignored fails as "not run"."""
     steps, forbidden, done = {}, [], False
     for line in text.split("\n"):
+        if len(line) > MAX_RECORD_CHARS or not line.startswith('["'):
+            continue
         try:
             record = json.loads(line)
-        except ValueError:
+        except Exception:  # noqa: BLE001 - ValueError, RecursionError (a depth bomb), MemoryError, ...
             continue
-        if not (isinstance(record, list) and len(record) == 3 and all(isinstance(x, str) for x in record)):
+        if not (type(record) is list and len(record) == 3 and all(type(x) is str for x in record)):
             continue
-        step, kind, body = record
+        step, kind, body = (clean(x) for x in record)
         if kind == "forbidden":
             forbidden.append(body)
         elif step == "run":
@@ -37,33 +53,42 @@ def parse_records(text: str) -> tuple[dict[str, tuple[str, str]], list[str], boo
 def test_results(checks: list[judge.Check], steps: dict) -> tuple[TestResult, ...]:
     out = []
     for i, check in enumerate(checks):
+        if check.host_judged:
+            results = {call: steps.get(f"test{i + 1}.{j + 1}", ("missing", "was not run"))
+                       for j, call in enumerate(check.calls)}
+            ok, error, got = judge.judge(check, results)
+            out.append(TestResult(i + 1, ok, "host", None if got is None else clean(got), clean(one_line(error))))
+            continue
         kind, body = steps.get(f"test{i + 1}", ("missing", "not run"))
-        who = "host" if check.host_judged else "sandbox"
-        if check.host_judged and kind == "value":
-            ok, error = judge.judge(check, body)
-            out.append(TestResult(i + 1, ok, who, body[:200], error))
-        elif not check.host_judged and kind == "ok":
-            out.append(TestResult(i + 1, True, who))
+        if kind == "ok":
+            out.append(TestResult(i + 1, True, "sandbox"))
         else:
-            error = body if kind in ("fail", "memory", "missing") else "no value returned"
-            out.append(TestResult(i + 1, False, who, None, one_line(error)))
+            error = body if kind in ("fail", "memory", "missing") else "no result"
+            out.append(TestResult(i + 1, False, "sandbox", None, one_line(error)))
     return tuple(out)
 
 
 def build_verdict(run, records: str, output: str, returncode: int | None, events: set, duration: float) -> Verdict:
-    steps, forbidden, done = parse_records(records)
-    tests = test_results(run.checks, steps)
-    status, reason = _classify(run, tests, steps, forbidden, done, returncode, events, output)
-    loaded = next((f"{name}: {one_line(steps[name][1])}" for name in ("setup", "solution")
-                   if steps.get(name, ("ok",))[0] != "ok"), "")
-    return Verdict(status, reason, tests, output, run.layers, round(duration, 3), loaded, vars(run.limits))
+    """The run's Verdict; always one, whatever the sandbox wrote (sao/sandbox/__init__.py, threat model)."""
+    output = clean(output)
+    try:
+        steps, forbidden, done = parse_records(records)
+        tests = test_results(run.checks, steps)
+        status, reason = _classify(run, tests, steps, forbidden, done, returncode, events, output)
+        loaded = next((f"{name}: {one_line(steps[name][1])}" for name in ("setup", "solution")
+                       if steps.get(name, ("ok",))[0] != "ok"), "")
+    except Exception as e:  # noqa: BLE001 - a host bug on odd records still gives a verdict, not an env error
+        tests = tuple(TestResult(i + 1, False, "host" if c.host_judged else "sandbox", None, "not judged")
+                      for i, c in enumerate(run.checks))
+        status, reason, loaded = "crashed", clean(one_line(f"the run's records could not be read: {type(e).__name__}")), ""
+    return Verdict(status, clean(reason), tests, output, run.layers, round(duration, 3), clean(loaded), vars(run.limits))
 
 
 def _classify(run, tests, steps, forbidden, done, returncode, events, output) -> tuple[str, str]:
     lim, total = run.limits, len(run.checks)
     sig = -returncode if returncode is not None and returncode < 0 else (
         returncode - 128 if returncode is not None and returncode > 128 else 0)
-    expected = ["setup", "solution"] + [f"test{i + 1}" for i in range(total)]
+    expected = run.step_names
     missing = next((s for s in expected if s not in steps), None)
     if forbidden:
         return "forbidden", f"forbidden: {forbidden[0]}"
@@ -111,7 +136,7 @@ def run_cap_mb() -> int:
 
 
 def _title(step: str) -> str:
-    return f"test {step[4:]}" if step.startswith("test") else step
+    return f"test {step[4:].split('.')[0]}" if step.startswith("test") else step
 
 
 def _during(step: str | None) -> str:
