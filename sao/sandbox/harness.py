@@ -97,10 +97,11 @@ def _h_confine(job, mode):
     os.nice(10)  # leave the trainer its CPU
     lim, mb = job["limits"], 1 << 20
     cpu = max(1, math.ceil(lim["cpu_s"]))
+    files = 256 if job["cgroup"] else 64  # without a cgroup, each descriptor may pin kernel memory no limit counts
     for res, soft, hard in ((r.RLIMIT_CPU, cpu, cpu + 1), (r.RLIMIT_AS, lim["memory_mb"] * mb, lim["memory_mb"] * mb),
                             (r.RLIMIT_FSIZE, lim["max_file_mb"] * mb, lim["max_file_mb"] * mb),
                             (r.RLIMIT_NPROC, lim["max_procs"], lim["max_procs"]), (r.RLIMIT_CORE, 0, 0),
-                            (r.RLIMIT_NOFILE, 256, 256), (r.RLIMIT_MSGQUEUE, 0, 0), (r.RLIMIT_MEMLOCK, 0, 0)):
+                            (r.RLIMIT_NOFILE, files, files), (r.RLIMIT_MSGQUEUE, 0, 0), (r.RLIMIT_MEMLOCK, 0, 0)):
         r.setrlimit(res, (soft, hard))
     libc = ctypes.CDLL(None, use_errno=True)
     if mode == "root":
@@ -123,38 +124,45 @@ def _h_confine(job, mode):
         raise SystemExit("sandbox: could not drop capabilities")
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
         raise SystemExit("sandbox: could not set no_new_privs")
-    _h_seccomp(libc, ctypes)
+    _h_seccomp(libc, ctypes, not job["cgroup"] and not job["network"])
     for name in [m for m in sys.modules if m.split(".")[0] in ("ctypes", "_ctypes")]:
         del sys.modules[name]
 
 
-def _h_seccomp(libc, ctypes):
-    """A seccomp filter: no memfd, SysV shared memory, new namespaces, mounts or ptrace.
+def _h_seccomp(libc, ctypes, no_unix_sockets):
+    """A seccomp filter: no memfd, SysV shared memory, new namespaces, mounts, ptrace or pidfds.
 
     Memory in memfd or SysV segments is not counted by RLIMIT_AS, and a new user namespace could
     mount a tmpfs with no size cap; refusing them (EPERM) keeps every byte of the run in counted
     memory or in the capped /sandbox tmpfs. clone3 gets ENOSYS: its flags cannot be inspected, and
-    glibc then falls back to clone, whose namespace flags are checked.
+    glibc then falls back to clone, whose namespace flags are checked. `no_unix_sockets` (no cgroup
+    counts kernel memory for this run): socketpair and AF_UNIX sockets are refused too, since their
+    buffers count in neither RLIMIT_AS nor the resident memory the host watches (asyncio's
+    event loop needs a socketpair, so it does not run there).
     """
     import os
 
     arch = os.uname().machine
-    table = {  # arch: (AUDIT_ARCH, clone, clone3, denied syscalls)
-        "x86_64": (0xC000003E, 56, 435, (319, 447, 29, 272, 308, 165, 166, 155, 161, 430, 431, 432, 433, 428, 429,
-                                        442, 323, 425, 321, 298, 101, 248, 249, 250, 310, 311)),
-        "aarch64": (0xC00000B7, 220, 435, (279, 447, 194, 97, 268, 40, 39, 41, 51, 430, 431, 432, 433, 428, 429,
-                                          442, 282, 425, 280, 241, 117, 217, 218, 219, 270, 271)),
+    table = {  # arch: (AUDIT_ARCH, clone, clone3, socket, socketpair, denied syscalls); 424/434/438: pidfd_*
+        "x86_64": (0xC000003E, 56, 435, 41, 53, (319, 447, 29, 272, 308, 165, 166, 155, 161, 430, 431, 432, 433, 428,
+                                                 429, 442, 323, 425, 321, 298, 101, 248, 249, 250, 310, 311, 424, 434,
+                                                 438)),
+        "aarch64": (0xC00000B7, 220, 435, 198, 199, (279, 447, 194, 97, 268, 40, 39, 41, 51, 430, 431, 432, 433, 428,
+                                                     429, 442, 282, 425, 280, 241, 117, 217, 218, 219, 270, 271, 424,
+                                                     434, 438)),
     }
     if arch not in table:
         raise SystemExit(f"sandbox: no seccomp filter for {arch}")
-    audit_arch, clone, clone3, denied = table[arch]
+    audit_arch, clone, clone3, sock, sockpair, denied = table[arch]
     allow, eperm, enosys, kill = 0x7FFF0000, 0x00050001, 0x00050026, 0x80000000
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     prog = [(ld, 0, 0, 4), (jeq, 1, 0, audit_arch), (ret, 0, 0, kill), (ld, 0, 0, 0)]
     if arch == "x86_64":
         prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, eperm)]  # the x32 ABI
-    for nr in denied:
+    for nr in denied + ((sockpair,) if no_unix_sockets else ()):
         prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
+    if no_unix_sockets:  # socket(AF_UNIX, ...): EPERM; other families are left to the network namespace
+        prog += [(jeq, 0, 4, sock), (ld, 0, 0, 16), (jeq, 0, 1, 1), (ret, 0, 0, eperm), (ret, 0, 0, allow)]
     prog += [(jeq, 0, 1, clone3), (ret, 0, 0, enosys), (jeq, 0, 3, clone), (ld, 0, 0, 16),
              (jset, 0, 1, 0x7E020080), (ret, 0, 0, eperm), (ret, 0, 0, allow)]  # CLONE_NEW* flags
 
@@ -181,7 +189,8 @@ def _h_guard(fd, network):
     forbidden = {"os.system": "running a shell command", "os.exec": "exec'ing a program", "os.fork": "forking",
                  "os.forkpty": "forking", "os.posix_spawn": "spawning a process", "os.spawn": "spawning a process",
                  "subprocess.Popen": "starting a subprocess"}
-    blocked_imports = {"ctypes", "_ctypes", "_testcapi", "_testinternalcapi", "_xxsubinterpreters", "_testbuffer"}
+    blocked_imports = {"ctypes", "_ctypes", "_testcapi", "_testinternalcapi", "_xxsubinterpreters", "_testbuffer",
+                       "_posixsubprocess"}  # its fork_exec raises no audit event
     seen = set()  # one record per kind of violation: a loop of attempts must not flood the pipe
 
     def hook(event, args):
@@ -200,6 +209,10 @@ def _h_guard(fd, network):
             write(fd, (dumps(["guard", "forbidden", what]) + "\n").encode())
         raise PermissionError(f"sandbox: {what} is not allowed")
 
+    # _posixsubprocess.fork_exec raises no audit event: replace it before the hook is on, so that a
+    # re-import (after deleting it from sys.modules) is an import event, which the hook refuses.
+    import _posixsubprocess
+    _posixsubprocess.fork_exec = lambda *args, **kwargs: hook("subprocess.Popen", ())
     return hook
 
 

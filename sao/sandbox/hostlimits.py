@@ -38,9 +38,10 @@ def tree_rss_kib(pid: int) -> int:
 @functools.cache
 def cgroup_parents() -> tuple[str, tuple[str, ...]] | None:
     """Where this process may create per-run cgroups with memory and pids control, else None:
-    ("v2", (dir,)) or ("v1", (memory dir, pids dir)). Root only: that is who may write them."""
-    if os.geteuid() != 0:
-        return None
+    ("v2", (dir,)) or ("v1", (memory dir, pids dir)). Root; or, on cgroup v2, a user whose own cgroup
+    is a delegated subtree it may write (systemd `Delegate=yes`, a container runtime's delegation)."""
+    if os.geteuid() != 0 and not os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        return None  # v1 hierarchies are root's
     try:
         lines = [line.split(":", 2) for line in open("/proc/self/cgroup").read().splitlines()]
         if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):  # unified hierarchy
