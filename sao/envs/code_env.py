@@ -5,11 +5,13 @@ generator, or a JSONL file) are sao/envs/code_tasks.py. An episode, within the a
 
     user:       Write a Python function f(x) that returns x plus 3.
     assistant:  <run_tests>```python\\ndef f(x):\\n    return x + 4\\n```       (optional, any number)
-    tool:       0/4 passed\\nFAIL assert f(1) == 4 (got 5)
+    tool:       0/2 passed\\nFAIL assert f(1) == 4 (got 5)          (a visible example test)
     assistant:  <submit>```python\\ndef f(x):\\n    return x + 3\\n```       (ends the episode)
 
-`<submit>` without a code block submits the code last sent to `<run_tests>` (a short action: the
-tiny model's episodes hold ~256 tokens). Reward is 1 when every hidden test passes, else 0, or
+`<run_tests>` runs the task's visible example tests (`num_examples`), separate from the hidden graded
+ones; without examples it runs the hidden tests and shows only the calls and the values returned,
+never an expected value. `<submit>` without a code block submits the code last sent to
+`<run_tests>` (a short action: the tiny model's episodes hold ~256 tokens). Reward is 1 when every hidden test passes, else 0, or
 passed/total with `partial_credit`. A submission that times out, runs out of memory or does
 something forbidden scores 0 and says so in numeric `info` metrics (`sandbox_timeout`, ...). A
 malformed action gets a helpful observation, never a crash. Code runs only through the
