@@ -352,13 +352,7 @@ class _Interpreter:
         if isinstance(node.func, ast.Name):
             node.func._sao_parent = node  # a name that is called, not read
         func = self.expr(node.func)
-        args = []
-        for a in node.args:
-            if isinstance(a, ast.Starred):
-                value = self.expr(a.value)
-                args.extend([PENDING] if value is PENDING else self.iterate(value))
-            else:
-                args.append(self.expr(a))
+        args = self.items(node.args)
         kwargs = {}
         for k in node.keywords:
             if k.arg is None:
@@ -471,14 +465,19 @@ class _Interpreter:
         return self.sequence(node, set)
 
     def sequence(self, node, kind):
-        items = []
-        for e in node.elts:
+        items = self.items(node.elts)
+        return PENDING if any(i is PENDING for i in items) else kind(items)
+
+    def items(self, nodes) -> list:
+        """The values of call arguments or display elements, `*iterable` expanded."""
+        out = []
+        for e in nodes:
             if isinstance(e, ast.Starred):
                 value = self.expr(e.value)
-                items.extend([PENDING] if value is PENDING else self.iterate(value))
+                out.extend([PENDING] if value is PENDING else self.iterate(value))
             else:
-                items.append(self.expr(e))
-        return PENDING if any(i is PENDING for i in items) else kind(items)
+                out.append(self.expr(e))
+        return out
 
     def e_Dict(self, node):
         if None in node.keys:
