@@ -144,10 +144,10 @@ def test_host_evaluation_is_bounded_and_total():
                  "assert f() << f() > 0", "assert sorted(f()) == 1"):
         check = judge.plan(test)
         assert check.host_judged, test
-        got = {"assert 2 ** f() > 0": "10 ** 12", "assert len(range(f())) > 0": "10 ** 18"}.get(test, "'ab' * 40000")
+        got = {"assert 2 ** f() > 0": str(10 ** 12), "assert len(range(f())) > 0": str(10 ** 18)}.get(test, repr("ab" * 30000))
         values = {c: ("value", v) for c, v in zip(check.calls, ["100000000000", "10000000"] if "<<" in test else [got])}
         passed, error, _ = judge.judge(check, values)
-        assert passed is False and error, test
+        assert passed is False and ("for the host" in error or "sorted" in test), (test, error)  # a bound, not MemoryError
     bomb = "[" * 5000 + "]" * 5000
     assert "not plain data" in _judge("assert f() == 3", bomb)[1]
     from sao.sandbox import verdict
