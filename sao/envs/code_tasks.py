@@ -185,5 +185,5 @@ def host_judged_tests(tasks: list[Task], sandbox, options: Any, limits) -> list[
                 tests[k] = derive(sandbox, reference, test, entry, limits)
             except NotDerivable as e:
                 raise option_error("sandbox_judged", f"{what} cannot be judged on the host ({check.reason}): {e}") from None
-        out.append(Task(task.id, task.prompt, tests, {**task.meta, "tests_as_given": list(task.answer)}))
+        out.append(Task(task.id, task.prompt, tests, task.meta))
     return out

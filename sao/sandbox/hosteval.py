@@ -15,6 +15,11 @@ Two passes over the same program:
   value runs its body once) and lists the calls the sandbox must evaluate. A call whose arguments
   depend on a sandbox value (`f(f(1))`, `g(f(1))`) cannot be planned: the test is not host-judged.
 - `run(program, values)` (after the sandbox run) executes it for real with those values.
+  A call first reached in `run` (not possible for the forms above: their arguments are the host's
+  own values, found in both passes) fails its test as "not evaluated in the sandbox". One known
+  gap: seeded `random` drawn inside `and`/`or`/`if` branches is drawn in both branches while
+  collecting but only in the taken one while running, so later draws can differ; no HumanEval
+  test does this.
 
 What the host runs is bounded (`Budget`): node count, sizes of sequences, ranges, powers and shifts,
 so a value from the sandbox (a 65,536-character string, a huge int) cannot make the host do
