@@ -101,7 +101,7 @@ def test_sync_mode_and_cached_sft_model(async_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _metrics(cwd / "runs" / "sync")
     assert [r["step"] for r in rows if "perf/gen_s" in r] == [1, 2]
-    assert len(list((cwd / "cache").iterdir())) == 1  # the SFT model was reused, not rebuilt
+    assert len([p for p in (cwd / "cache").iterdir() if p.is_dir()]) == 1  # the SFT model was reused, not rebuilt
 
 
 def test_any_local_hf_model_folder_works_in_place_of_the_builtin(tmp_path):

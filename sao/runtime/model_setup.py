@@ -1,16 +1,28 @@
 """The starting policy: a local HF model, or the built-in tiny model warm-started by SFT.
 
 The built-in model is cached on disk under a hash of everything that shapes it (model config, SFT
-config, environment and its options), so the second run starts at once. It is written to a
-temporary folder and renamed into place, so an interrupted SFT never leaves a half-written cache.
+config, environment and its options), so the second run starts at once.
+
+    .sao_cache/tiny-<key>/        the model, its tokenizer, and sft.json (written last: the manifest)
+    .sao_cache/tiny-<key>.lock    held (flock) by the one process building that entry
+
+An entry is built by one process at a time: a second run with the same config waits on the lock
+and then uses what the first built. It is built in a folder of its own, fsynced, and renamed into
+place, so an interrupted SFT leaves no half-written entry. A hit is an entry whose every file in the
+manifest is there with its recorded size; anything else (an entry an older sao left without its
+tokenizer, a file truncated) is rebuilt, with a message.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 import random
 import shutil
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +33,7 @@ from sao.models.chat import ChatCodec
 from sao.models.tiny import build_tiny_model, load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.runtime.preflight import model_path_of
+from sao.runtime.run_dir import write_failure
 from sao.trainer.sft import Example, sft_train
 
 SFT_FORMAT = 2  # bump when the demo tokenization, SFT recipe or held-out split changes (2: split by data_seed)
@@ -48,25 +61,81 @@ def base_model_key(cfg: Config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def cache_entry_problem(path: Path) -> str | None:
+    """Why the cache entry at `path` cannot be used, or None when every file of its manifest is there."""
+    try:
+        manifest = json.loads((path / "sft.json").read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no readable manifest (sft.json)"
+    for name, size in manifest.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {size}"
+    return None
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in [*sorted(root.rglob("*")), root]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def prepare_base_model(cfg: Config, on_step: Callable[[int, float], None] | None = None,
-                       force: bool = False) -> tuple[Path, bool]:
-    """Return (path, built_now). Builds and SFT-trains the tiny model on a cache miss."""
+                       force: bool = False, log: Callable[[str], None] | None = None) -> tuple[Path, bool]:
+    """Return (path, built_now). Builds and SFT-trains the tiny model on a cache miss (one builder at a
+    time per entry: see the module docstring)."""
     user = model_path_of(cfg)
     if user is not None:
         return user, False
+    log = log or (lambda message: print(f"sao: {message}", file=sys.stderr))
     out = Path(cfg.model.cache_dir) / f"tiny-{base_model_key(cfg)}"
-    if (out / "sft.json").is_file() and not force:
+    if not force and cache_entry_problem(out) is None:
         return out, False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another sao process building the SFT model {out}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            force = False  # what that process built is this config's model: use it
+        problem = cache_entry_problem(out)
+        if problem is None and not force:
+            return out, False
+        if out.exists() and problem is not None:
+            log(f"SFT cache entry {out} is unusable ({problem}); rebuilding it")
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+        try:
+            _build(cfg, tmp, on_step)
+            _fsync_tree(tmp)
+            if out.exists():
+                old = Path(tempfile.mkdtemp(prefix=out.name + ".old-", dir=out.parent))
+                os.replace(out, old / "entry")
+                shutil.rmtree(old)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out, True
+
+
+def _build(cfg: Config, tmp: Path, on_step) -> None:
+    """The tiny model, SFT-trained, into `tmp`; sft.json (the manifest of every other file) last."""
     # demos drawn with sft.seed: the cached model must not depend on the train.seed of the run that built it
     environment = make_environment(cfg.env.name, cfg.env.options, cfg.sft.seed)
     if not hasattr(environment, "demo"):
         raise ConfigError(f"env.name: environment {cfg.env.name!r} has no demo() for the SFT warm start; "
                           "give model.path")
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
     m = cfg.model
-    build_tiny_model(tmp, m.arch, m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size,
-                     m.max_positions, seed=cfg.sft.seed)
+    try:
+        build_tiny_model(tmp, m.arch, m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size,
+                         m.max_positions, seed=cfg.sft.seed)
+    except Exception as exc:  # a full disk: OSError, or safetensors' own error
+        raise write_failure(f"SFT cache entry {tmp}", exc) from None
     model, codec = load_model(tmp), ChatCodec(load_tokenizer(tmp))
     tasks = environment.train_tasks()
 
@@ -75,9 +144,10 @@ def prepare_base_model(cfg: Config, on_step: Callable[[int, float], None] | None
 
     losses = sft_train(model, sample, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr,
                        codec.tokenizer.pad_token_id, cfg.sft.seed, on_step)
-    model.save_pretrained(tmp)
-    (tmp / "sft.json").write_text(json.dumps({"steps": cfg.sft.steps, "final_loss": losses[-1] if losses else None,
-                                              "key": base_model_key(cfg)}))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out, True
+    try:
+        model.save_pretrained(tmp)
+        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / "sft.json").write_text(json.dumps({"steps": cfg.sft.steps, "final_loss": losses[-1] if losses else None,
+                                                  "key": base_model_key(cfg), "files": files}))
+    except Exception as exc:
+        raise write_failure(f"SFT cache entry {tmp}", exc) from None
