@@ -76,7 +76,7 @@ def train(config: Config | dict | str | Path | None = None, *overrides: str, env
     cfg = as_config(config, overrides)
     if env is not None:
         cfg.env.name = use_environment(env)
-    _preflight(cfg, resume is not None)
+    _preflight(cfg, Path(resume) if resume is not None else None)
     from sao.runtime.progress import RunProgress
     from sao.runtime.train import train as run_training
 
@@ -85,7 +85,7 @@ def train(config: Config | dict | str | Path | None = None, *overrides: str, env
         return run_training(cfg, RunProgress(enabled=enabled and sys.stderr.isatty()), resume=resume)
 
 
-def _preflight(cfg: Config, resume: bool) -> None:
+def _preflight(cfg: Config, resume: Path | None) -> None:
     """The CLI's checks before anything is written; a component's field error becomes a ConfigError."""
     from sao.runtime.preflight import preflight
 

@@ -10,8 +10,10 @@
     sao bench EXPERIMENT [--quick] [--out DIR] [key=value ...]   variants side by side (benchmarks/experiments/)
     sao models import-gguf PATH|smollm2 OUT           a GGUF checkpoint -> a normal HF model folder
 
-Bad input (unknown key, bad value, missing file) prints one line naming it and exits with code 2,
-before anything is written.
+Bad input (unknown key, bad value, missing file, a damaged checkpoint, a finished run to resume)
+prints one line naming it and exits with code 2, before anything is started or written. A write that
+fails (a full disk) prints one line naming the file and exits with code 74; what was written before
+(earlier checkpoints, metrics rows) is intact.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from sao.config import Config, ConfigError, load_config
 
 USAGE_ERROR = 2
+IO_ERROR = 74  # sysexits.h EX_IOERR: a write failed (a full disk); what was written before is intact
 
 
 def _split(args: list[str]) -> tuple[str | None, list[str]]:
@@ -58,21 +61,21 @@ def cmd_train(ns) -> int:
     from sao.runtime.preflight import preflight
 
     extra = (["runtime.mode=sync"] if ns.sync else []) + (["output.progress=false"] if ns.quiet else [])
-    if ns.resume:
-        run = Path(ns.resume)
-        if not (run / "checkpoints" / "latest").is_file() or not (run / "config.yaml").is_file():
-            raise ConfigError(f"--resume: {str(run)!r} is not a run directory with a checkpoint")
+    run = Path(ns.resume) if ns.resume else None
+    if run is not None:
+        if not (run / "config.yaml").is_file():
+            raise ConfigError(f"--resume: {str(run)!r} is not a run directory (no config.yaml)")
         path, overrides = _split(ns.args)
         if path is not None:
             raise ConfigError("--resume: the run's own config.yaml is used; give only key=value overrides")
         cfg = load_config(run / "config.yaml", overrides + extra)
     else:
         cfg = _config(ns.args, extra)
+    preflight(cfg, resume=run)  # bad input is refused before anything is started or written
     if cfg.runtime.mode == "async" and cfg.runtime.backend == "local":
         from sao.runtime.prewarm import prewarm
 
-        prewarm()  # the rollout workers' fork server imports torch & co. while this process validates and builds
-    preflight(cfg, resume=bool(ns.resume))  # fail fast on bad input, before anything is written
+        prewarm()  # the rollout workers' fork server imports torch & co. while this process builds the run
     from sao.runtime.progress import RunProgress
     from sao.runtime.train import train
 
@@ -245,8 +248,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sao: error: {msg}", file=sys.stderr)
             return USAGE_ERROR
         raise
-    except RuntimeError as exc:
-        if type(exc).__name__ not in ("ParityError", "StalledError", "WorkerCrashLoop", "NonFiniteError"):
+    except Exception as exc:
+        name = type(exc).__name__
+        if name == "WriteError":  # sao/runtime/run_dir.py: a file of the run could not be written
+            print(f"sao: error: {exc}", file=sys.stderr)
+            return IO_ERROR
+        if name not in ("ParityError", "StalledError", "WorkerCrashLoop", "NonFiniteError"):
             raise
         print(f"sao: error: {exc}", file=sys.stderr)
         return 1

@@ -216,7 +216,12 @@ class EvalConfig(Section):
 class OutputConfig(Section):
     root: str = Field("runs", description="parent directory of run directories")
     name: str | None = Field(None, description="run directory name (default: algo-env-timestamp)")
-    save_every: int = Field(0, ge=0, description="checkpoint every this many steps (0: only at the end)")
+    save_every: int = Field(50, ge=0, description=(
+        "checkpoint every this many steps, so a SIGKILL, OOM or reboot loses at most this many "
+        "(0: only at the end and on Ctrl-C/SIGTERM)"))
+    keep_checkpoints: int = Field(2, ge=0, description=(
+        "periodic checkpoints kept (the newest; older step_N are deleted once a newer one is complete); "
+        "checkpoints/final is always kept; 0: keep all"))
     trajectories_every: int = Field(10, ge=1, description="write sample trajectories every this many steps")
     trajectories_per_dump: int = Field(4, ge=1, description="trajectories written per dump")
     progress: bool = Field(True, description="show a live progress bar")

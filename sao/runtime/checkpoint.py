@@ -14,6 +14,11 @@ then does `latest` (itself replaced by rename) point at it: a crash while writin
 previous checkpoint usable. The learning rate is constant (no scheduler): the optimizers'
 param_groups carry it. Resume truncates metrics.jsonl and audit.jsonl to the saved line counts,
 so steps that ran after the checkpoint (and are trained again) are not recorded twice.
+
+A write that fails (a full disk) removes the `.partial` folder and raises WriteError naming the
+checkpoint; the previous checkpoint and `latest` are untouched. `resume_problem` is what `--resume`
+checks first: a run that has no checkpoint, a damaged one (a truncated `trainer_state.pt` or
+`model.safetensors`), or one that already finished, each refused in one line naming the file.
 """
 
 from __future__ import annotations
@@ -22,11 +27,14 @@ import json
 import os
 import random
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
 
+from sao.config import ConfigError
 from sao.models.lora import is_peft, save_merged_model
+from sao.runtime.run_dir import write_failure
 from sao.types import Trajectory
 
 
@@ -87,6 +95,40 @@ def save(trainer, tag: str, step: int) -> Path:
     final = run.path / "checkpoints" / tag
     tmp = final.with_name(tag + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write(trainer, tmp, step)
+    except Exception as exc:  # a full disk surfaces as OSError, torch's "basic_ios::clear" or a SafetensorError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failure(f"checkpoint {final}", exc) from None
+    try:
+        if final.exists():  # e.g. "final" written again after a resume: keep the old one until the new is in place
+            old = final.with_name(tag + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _atomic_text(run.path / "checkpoints" / "latest", tag + "\n")
+    except OSError as exc:
+        raise write_failure(f"checkpoint {final}", exc) from None
+    prune(run.path / "checkpoints", trainer.cfg.output.keep_checkpoints)
+    return final
+
+
+def prune(folder: Path, keep: int) -> None:
+    """Delete all but the newest `keep` periodic checkpoints (step_N; never final, never the latest)."""
+    if keep <= 0:
+        return
+    latest_tag = (folder / "latest").read_text().strip()
+    periodic = sorted((p for p in folder.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+                      key=lambda p: int(p.name[5:]))
+    for old in periodic[:-keep]:
+        if old.name != latest_tag:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(trainer, tmp: Path, step: int) -> None:
     trainer.actor.save_pretrained(tmp / "actor")  # a LoRA actor writes its adapter (sao/models/lora.py)
     trainer.codec.tokenizer.save_pretrained(tmp / "actor")
     if trainer.cfg.model.lora.save_merged and is_peft(trainer.actor):
@@ -96,20 +138,11 @@ def save(trainer, tag: str, step: int) -> Path:
         trainer.critic.save_pretrained(tmp / "critic")
         trainer.codec.tokenizer.save_pretrained(tmp / "critic")
     state = trainer_state(trainer, step)
-    torch.save(state, tmp / "trainer_state.pt")
+    with open(tmp / "trainer_state.pt", "wb") as f:  # a Python file: a failed write raises OSError with its errno
+        torch.save(state, f)
     small = {k: state[k] for k in ("step", "actor_version", "critic_version", "steps_done", "totals")}
     (tmp / "state.json").write_text(json.dumps(small))
     _fsync_tree(tmp)
-    if final.exists():  # e.g. "final" written again after a resume: keep the old one until the new is in place
-        old = final.with_name(tag + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    _atomic_text(run.path / "checkpoints" / "latest", tag + "\n")
-    return final
 
 
 def latest(run_path: Path) -> Path | None:
@@ -120,8 +153,75 @@ def latest(run_path: Path) -> Path | None:
     return path if (path / "trainer_state.pt").is_file() else None
 
 
+def damage(ckpt: Path) -> str | None:
+    """What in checkpoint `ckpt` is missing, truncated or damaged (naming the file), or None. Reads the
+    archive's checksums and the safetensors headers, not the tensors."""
+    from safetensors import safe_open
+
+    state = ckpt / "trainer_state.pt"
+    if not state.is_file():
+        return f"{state} is missing"
+    try:
+        with zipfile.ZipFile(state) as archive:
+            bad = archive.testzip()
+    except Exception as exc:  # BadZipFile when truncated; anything else a damaged directory
+        return f"{state} is truncated or damaged ({_first_line(exc)})"
+    if bad is not None:
+        return f"{state} is damaged ({bad} fails its checksum)"
+    for part in ("actor", "critic"):
+        folder = ckpt / part
+        if part == "actor" and not folder.is_dir():
+            return f"{folder} is missing"
+        for weights in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+            try:
+                with safe_open(str(weights), "pt"):
+                    pass
+            except Exception as exc:
+                return f"{weights} is truncated or damaged ({_first_line(exc)})"
+        for meta in ("config.json", "adapter_config.json"):
+            if (folder / meta).is_file():
+                try:
+                    json.loads((folder / meta).read_text())
+                except ValueError as exc:
+                    return f"{folder / meta} is damaged ({_first_line(exc)})"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def resume_problem(run: Path, steps: int) -> str | None:
+    """Why `sao train --resume run` with train.steps=`steps` cannot continue, or None."""
+    if not (run / "config.yaml").is_file():
+        return f"{str(run)!r} is not a run directory (no config.yaml)"
+    pointer = run / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return (f"{str(run)!r} has no checkpoint yet: it stopped before its first (output.save_every); "
+                "start a new run")
+    ckpt = run / "checkpoints" / pointer.read_text().strip()
+    problem = damage(ckpt)
+    if problem is not None:
+        others = sorted(p.name for p in ckpt.parent.iterdir() if p.is_dir() and p != ckpt
+                        and not p.name.endswith((".partial", ".old")) and damage(p) is None)
+        hint = (f"; to resume from {others[-1]}, write that name into {pointer}" if others
+                else "; no other complete checkpoint is left")
+        return problem + hint
+    try:
+        done = json.loads((ckpt / "state.json").read_text())["step"]
+    except (OSError, ValueError, KeyError) as exc:
+        return f"{ckpt / 'state.json'} is damaged ({_first_line(exc)})"
+    if done >= steps:
+        return (f"{str(run)!r} finished: its checkpoint {ckpt.name} is at step {done} of train.steps={steps}; "
+                f"nothing is rewritten. To train on, raise train.steps (e.g. train.steps={2 * done})")
+    return None
+
+
 def load_state(ckpt: Path) -> dict:
-    return torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    try:
+        return torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    except Exception as exc:
+        raise ConfigError(f"--resume: {ckpt / 'trainer_state.pt'} cannot be read ({_first_line(exc)})") from None
 
 
 def restore(trainer, state: dict) -> None:

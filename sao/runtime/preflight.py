@@ -82,8 +82,19 @@ def check_engine(cfg: Config) -> None:
                           "or set engine.url to a running vLLM server)")
 
 
-def preflight(cfg: Config, resume: bool = False):
-    """Validate names, options and paths; return the environment. Raises ConfigError/ValueError."""
+def check_resume(cfg: Config, run: Path) -> None:
+    from sao.runtime.checkpoint import resume_problem
+
+    problem = resume_problem(run, cfg.train.steps)
+    if problem is not None:
+        raise ConfigError(f"--resume: {problem}")
+
+
+def preflight(cfg: Config, resume: Path | None = None):
+    """Validate names, options and paths (and, with `resume`, that run directory's checkpoint); return
+    the environment. Raises ConfigError/ValueError."""
+    if resume is not None:
+        check_resume(cfg, Path(resume))
     check_runtime(cfg)
     check_engine(cfg)
     check_algorithm(cfg)
@@ -98,6 +109,6 @@ def preflight(cfg: Config, resume: bool = False):
         raise ConfigError(f"critic.path: {cfg.critic.path!r} is not a model or adapter folder (no config.json)")
     path = run_dir_path(cfg)
     check_trackers(cfg)
-    if not resume and path is not None and path.exists():
+    if resume is None and path is not None and path.exists():
         raise ConfigError(f"output.name: run directory {str(path)!r} exists already; choose another name")
     return environment

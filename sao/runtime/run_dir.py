@@ -5,24 +5,55 @@
       metrics.jsonl          one row per optimizer step (namespaced keys), eval rows included
       tb/                    TensorBoard event files with the same scalars (output.report_to: also wandb/, trackio)
       trajectories/          step_000010.txt (readable, action/observation split) + .jsonl (token level)
-      checkpoints/<tag>/     actor/ and critic/ in HF format
+      checkpoints/<tag>/     actor/ and critic/ in HF format (sao/runtime/checkpoint.py)
       summary.json           before/after held-out accuracy and run totals
       plots/                 written by `sao report`
 
-Nothing is overwritten: a run directory that exists already is refused, and checkpoints are
-written to a temporary folder and renamed into place.
+Nothing is overwritten: a run directory that exists already is refused (created with one mkdir,
+so two runs cannot both take it; a default name that another run took in the same second gets a
+suffix instead), and checkpoints are written to a temporary folder and renamed into place. A write
+that fails (a full disk) raises WriteError naming the file, and leaves the file as it was before.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
 
 from sao.config import Config, ConfigError, to_yaml
 from sao.types import Trajectory
+
+
+class WriteError(Exception):
+    """A run's file could not be written (a full disk, a read-only mount): an I/O failure, not bad input."""
+
+
+def write_failure(what: Path | str, exc: BaseException) -> WriteError:
+    """One line naming `what` and the operating system's reason, found in the exception chain (torch's
+    writer hides it behind "basic_ios::clear", safetensors behind its own error), else asked of the disk."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return WriteError(f"{what}: {os.strerror(seen.errno).lower()}")
+        if any(s in str(seen) for s in ("No space left", "StorageFull", "os error 28")):
+            return WriteError(f"{what}: no space left on device")
+        seen = seen.__cause__ or seen.__context__
+    folder = Path(what)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if shutil.disk_usage(folder).free < 1 << 20:
+        return WriteError(f"{what}: {os.strerror(errno.ENOSPC).lower()}")
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return WriteError(f"{what}: {first}")
+
+
+def default_name(cfg: Config) -> str:
+    return f"{cfg.algo.name}-{cfg.env.name.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 class RunDir:
@@ -32,63 +63,88 @@ class RunDir:
 
     @classmethod
     def create(cls, cfg: Config) -> RunDir:
-        name = cfg.output.name or f"{cfg.algo.name}-{cfg.env.name.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
-        path = Path(cfg.output.root) / name
-        if path.exists():
-            raise ConfigError(f"output.name: run directory {str(path)!r} exists already; choose another name")
-        (path / "trajectories").mkdir(parents=True)
-        (path / "checkpoints").mkdir()
-        (path / "config.yaml").write_text(to_yaml(cfg))
+        root = Path(cfg.output.root)
+        root.mkdir(parents=True, exist_ok=True)
+        name = cfg.output.name or default_name(cfg)
+        path = root / name
+        for suffix in range(2, 1000):
+            try:
+                path.mkdir()  # the one atomic claim: check-then-create would let two runs take one name
+                break
+            except FileExistsError:
+                if cfg.output.name:
+                    raise ConfigError(f"output.name: run directory {str(path)!r} exists already; "
+                                      "choose another name") from None
+                path = root / f"{name}-{suffix}"  # a default name another run took in the same second
+        try:
+            (path / "trajectories").mkdir()
+            (path / "checkpoints").mkdir()
+            (path / "config.yaml").write_text(to_yaml(cfg))
+        except OSError as exc:
+            raise write_failure(path / "config.yaml", exc) from None
         return cls(path, cfg)
 
     # -- metrics ----------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": time.time()}
         row.update({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        with open(self.path / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}) + "\n")
+        line = json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}) + "\n"
+        append_line(self.path / "metrics.jsonl", line)
         if self._trackers is None:
             from sao.runtime.trackers import make_trackers
 
             self._trackers = make_trackers(self.path, self.cfg)
         scalars = {k: v for k, v in row.items() if k not in ("step", "time")}
         for tracker in self._trackers:
-            tracker.log(step, scalars)
+            try:
+                tracker.log(step, scalars)
+            except OSError as exc:  # tensorboard's writer thread re-raises its write error here
+                raise write_failure(f"{type(tracker).__name__} events of {self.path}", exc) from None
 
     def close(self) -> None:
-        for tracker in self._trackers or []:
-            tracker.close()
-        self._trackers = None
+        trackers, self._trackers = self._trackers or [], None
+        for tracker in trackers:
+            try:
+                tracker.close()
+            except OSError as exc:
+                raise write_failure(f"{type(tracker).__name__} events of {self.path}", exc) from None
 
     # -- trajectories -----------------------------------------------------------------------
     def write_trajectories(self, step: int, trajs: list[Trajectory], decode, prefix: str = "step") -> None:
         stem = self.path / "trajectories" / f"{prefix}_{step:06d}"
-        with open(stem.with_suffix(".jsonl"), "w") as f:
-            for t in trajs:
-                f.write(t.to_json() + "\n")
-        with open(stem.with_suffix(".txt"), "w") as f:
-            for t in trajs:
-                f.write(render_trajectory(t, decode) + "\n\n")
-
-    # -- checkpoints ------------------------------------------------------------------------
-    def save_checkpoint(self, tag: str, actor, critic, tokenizer, extra: dict | None = None) -> Path:
-        final = self.path / "checkpoints" / tag
-        tmp = final.with_name(tag + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        actor.save_pretrained(tmp / "actor")
-        tokenizer.save_pretrained(tmp / "actor")
-        if critic is not None:
-            critic.save_pretrained(tmp / "critic")
-            tokenizer.save_pretrained(tmp / "critic")
-        (tmp / "state.json").write_text(json.dumps(extra or {}))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        return final
+        for path, text in ((stem.with_suffix(".jsonl"), "".join(t.to_json() + "\n" for t in trajs)),
+                           (stem.with_suffix(".txt"), "".join(render_trajectory(t, decode) + "\n\n" for t in trajs))):
+            try:
+                path.write_text(text)
+            except OSError as exc:
+                path.unlink(missing_ok=True)
+                raise write_failure(path, exc) from None
 
     def write_json(self, name: str, data: dict) -> None:
         tmp = self.path / (name + ".partial")
-        tmp.write_text(json.dumps(data, indent=2))
+        try:
+            tmp.write_text(json.dumps(data, indent=2))
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise write_failure(self.path / name, exc) from None
         tmp.rename(self.path / name)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line whole or not at all: a failed append is cut back, so the file never holds half a row."""
+    data = line.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as exc:
+            os.ftruncate(fd, size)
+            raise write_failure(path, exc) from None
+    finally:
+        os.close(fd)
 
 
 def render_trajectory(t: Trajectory, decode) -> str:

@@ -10,7 +10,9 @@ long one can still end up more than `max_lag` versions old; the drop at dequeue
 (sao/runtime/queue.py) enforces the bound on what is trained, and counts what it drops.
 
 Every id's life is written to RUN/audit.jsonl: issued (again after its worker died), finished,
-then trained or dropped (with the reason), so a run can be checked for lost or doubled work.
+then trained or dropped (with the reason), so a run can be checked for lost or doubled work. At
+exit, what the checkpoint carries over is written too (unfinished_at_exit: run again on resume;
+queued_at_exit: trained on resume), and a resume writes a `resumed` line naming its checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
+from sao.runtime.run_dir import append_line
 from sao.types import Assignment, Finished, Record, Status, Task, Trajectory, WorkerLost, WorkerStats
 
 ENGINE_RERUNS = 3  # an episode the engine failed is run again this many times before it counts as failed
@@ -49,21 +52,26 @@ class TaskStream:
 
 
 class Audit:
+    """RUN/audit.jsonl, one whole line per event (sao/runtime/run_dir.py append_line: a killed run or a
+    full disk never leaves half a line)."""
+
     def __init__(self, path: Path):
         self.path = path
-        self._f = open(path, "a", buffering=1)  # line-buffered: a killed run keeps every whole line
 
     def write(self, event: str, trajs_or_items, step: int, **extra) -> None:
+        lines = []
         for x in trajs_or_items:
             task = x.task.id if isinstance(x, Assignment) else x.task_id
-            self._f.write(json.dumps({"event": event, "id": x.id, "task": task, "step": step, **extra}) + "\n")
+            lines.append(json.dumps({"event": event, "id": x.id, "task": task, "step": step, **extra}) + "\n")
+        if lines:
+            append_line(self.path, "".join(lines))
+
+    def note(self, event: str, step: int, **extra) -> None:
+        """A run-level event with no episode id (a resume)."""
+        append_line(self.path, json.dumps({"event": event, "step": step, **extra}) + "\n")
 
     def lines(self) -> int:
-        self._f.flush()
-        return sum(1 for _ in open(self.path))
-
-    def close(self) -> None:
-        self._f.close()
+        return sum(1 for _ in open(self.path)) if self.path.exists() else 0
 
 
 class Scheduler:
@@ -153,11 +161,14 @@ class Scheduler:
         for t in trajs:
             self.audit.write("dropped", [t], step, reason=reason_of(t))
 
+    def pending(self) -> list[Assignment]:
+        """Issued and unfinished: waiting to be re-issued, or out on a worker."""
+        return list(self.retry) + sorted((a for _, a in self.outstanding.values()), key=lambda a: a.id)
+
     def state(self, queued: list[Trajectory]) -> dict:
         """What a resume needs: counters, and every issued-but-untrained episode (unfinished ones are
         run again; finished ones come back into the queue, see sao/runtime/checkpoint.py)."""
-        pending = sorted((a for _, a in self.outstanding.values()), key=lambda a: a.id)
-        pending = list(self.retry) + pending
+        pending = self.pending()
         return {"issued": self.issued, "consumed": self.consumed, "refunded": self.refunded,
                 "cursor": self.tasks.cursor,
                 "pending": [{"id": a.id, "task": a.task.__dict__, "trainer_step": a.trainer_step} for a in pending]}

@@ -17,6 +17,7 @@ import importlib.util
 import io
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Protocol
 
@@ -43,10 +44,22 @@ def _finite(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
 
 
+def _quiet_tensorboard_thread(args) -> None:
+    """tensorboard's writer thread stores its write error and re-raises it at the next add_scalar (then
+    sao/runtime/run_dir.py reports it in one line); it need not also print a traceback from the thread."""
+    if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+        return
+    _default_excepthook(args)
+
+
+_default_excepthook = threading.excepthook
+
+
 class TensorBoardTracker:
     def __init__(self, path: Path):
         from torch.utils.tensorboard import SummaryWriter
 
+        threading.excepthook = _quiet_tensorboard_thread
         self.writer = SummaryWriter(str(path / "tb"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

@@ -46,7 +46,7 @@ from sao.runtime.model_setup import prepare_base_model
 from sao.runtime.preflight import preflight
 from sao.runtime.progress import RunProgress
 from sao.runtime.queue import TrajectoryQueue
-from sao.runtime.run_dir import RunDir
+from sao.runtime.run_dir import RunDir, WriteError
 from sao.runtime.scheduler import Audit, Scheduler, TaskStream
 from sao.runtime.worker_host import quiet_transformers
 from sao.trainer.batch import collate
@@ -144,7 +144,7 @@ class Trainer:
     def __init__(self, cfg: Config, progress: RunProgress, resume: Path | None = None):
         self.cfg, self.progress = cfg, progress
         self.algo = get_algorithm(cfg.algo.name)
-        self.environment = preflight(cfg, resume=resume is not None)  # bad input fails before anything is written
+        self.environment = preflight(cfg, resume=resume)  # bad input fails before anything is written
         self.limits = limits_of(cfg)
         ckpt = checkpoint.latest(resume) if resume is not None else None
         if resume is not None:
@@ -182,6 +182,8 @@ class Trainer:
         self.sched_state = state["scheduler"] if state else {}
         self.tasks = TaskStream(task_stream(self.environment, self.algo, cfg), self.sched_state.get("cursor", 0))
         self.audit = Audit(self.run.path / "audit.jsonl") if cfg.runtime.mode == "async" else None
+        if self.audit is not None and state is not None:
+            self.audit.note("resumed", self.step, checkpoint=ckpt.name)
         self.scheduler: Scheduler | None = None
         self.stop_requested = ""  # the signal's name once Ctrl-C or SIGTERM arrived
 
@@ -197,7 +199,7 @@ class Trainer:
         self.run.log(step, row)
         self.run.write_trajectories(step, res.trajectories[: self.cfg.output.trajectories_per_dump],
                                     self.codec.decode, prefix="eval_step")
-        self.progress.set_eval(res.accuracy)
+        self.progress.set_eval(res.accuracy, step=step)
         return res.accuracy
 
     def after_step(self, step: int, batch: list[Trajectory], version: int, metrics: dict, extra: dict) -> None:
@@ -216,11 +218,18 @@ class Trainer:
         self.progress.step(metrics)
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
             self.evaluate(step)
-        if cfg.output.save_every and step % cfg.output.save_every == 0:
+        if cfg.output.save_every and step % cfg.output.save_every == 0 and step < cfg.train.steps:  # final follows
             self.save(f"step_{step:06d}")
 
     def save(self, tag: str) -> Path:
         return checkpoint.save(self, tag, self.step)
+
+    def save_at_exit(self, tag: str) -> Path:
+        """The last checkpoint; the audit says which episodes it carries over, so they are not taken for lost."""
+        if self.audit is not None and self.scheduler is not None:
+            self.audit.write("unfinished_at_exit", self.scheduler.pending(), self.step, checkpoint=tag)
+            self.audit.write("queued_at_exit", self.queue.items(), self.step, checkpoint=tag)
+        return self.save(tag)
 
     def _check_live_parity(self, metrics: dict) -> None:
         """The step-2 gate runs the torch engine; another engine (vLLM) is gated here instead, on the
@@ -305,10 +314,16 @@ def train(cfg: Config, progress: RunProgress, resume: str | Path | None = None) 
     except Interrupted:
         progress.stop_training()
         _stop(backend, trainer)
-        ckpt = trainer.save(f"step_{trainer.step:06d}")
+        ckpt = trainer.save_at_exit(f"step_{trainer.step:06d}")
         print(f"sao: {trainer.stop_requested}: checkpoint {ckpt} written; continue with "
               f"`sao train --resume {trainer.run.path}`", file=sys.stderr)
         raise KeyboardInterrupt from None
+    except WriteError as exc:
+        _stop(backend, trainer)
+        ckpt = checkpoint.latest(trainer.run.path)
+        raise WriteError(f"{exc}; " + (f"its latest checkpoint {ckpt.name} is intact: after freeing space, "
+                                       f"`sao train --resume {trainer.run.path}`" if ckpt else
+                                       "it has no checkpoint yet")) from None
     except BaseException:
         _stop(backend, trainer)
         raise
@@ -317,7 +332,7 @@ def train(cfg: Config, progress: RunProgress, resume: str | Path | None = None) 
         progress.stop_training()
     _stop(backend, trainer)
     after = trainer.evaluate(trainer.step)  # step 5
-    ckpt = trainer.save("final")
+    ckpt = trainer.save_at_exit("final")
     wall = time.perf_counter() - t_start
     result = RunResult(str(trainer.run.path), before, after, trainer.step, wall,
                        {"checkpoint": str(ckpt), "parity_max_abs_diff": diff, **trainer.totals})
