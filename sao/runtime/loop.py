@@ -90,8 +90,8 @@ def adaptive_threads(trainer, backend) -> AdaptiveThreads | None:
     if not r.adaptive_threads or r.backend != "local":
         return None
     idle = r.trainer_threads + r.rollout_threads * r.rollout_workers
-    trainer.progress.log(f"threads: trainer {r.trainer_threads} while episodes are in flight, {idle} while none is "
-                         f"(runtime.adaptive_threads); each rollout worker {r.rollout_threads}")
+    trainer.progress.log(f"adaptive threads: trainer {r.trainer_threads} ({idle} with no episode in flight), "
+                         f"workers {r.rollout_threads} each")  # under 80 columns: rich would wrap it mid-sentence
     return AdaptiveThreads(trainer, backend, r.trainer_threads, idle)
 
 

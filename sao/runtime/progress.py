@@ -12,7 +12,7 @@ class RunProgress:
         self.console = console or Console(stderr=True)
         self._progress: Progress | None = None
         self._task = None
-        self._eval = float("nan")
+        self._eval: tuple[float, int | None] | None = None  # the latest (accuracy, step)
         self._last: dict = {}
 
     def log(self, message: str) -> None:
@@ -21,7 +21,8 @@ class RunProgress:
 
     def _bar(self, label: str) -> Progress:
         return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False)
+                        TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                        console=self.console, transient=False)
 
     def sft_callback(self, total: int):
         if not self.enabled or total == 0:
@@ -45,10 +46,10 @@ class RunProgress:
             self._progress.start()
             self._task = self._progress.add_task("rl", total=total, info="")
 
-    def set_eval(self, accuracy: float) -> None:
-        self._eval = accuracy
-        if self._progress is None:
-            self.log(f"held-out accuracy: {accuracy:.3f}")
+    def set_eval(self, accuracy: float, *, step: int | None = None) -> None:
+        self._eval = (accuracy, step)
+        if self._progress is None:  # before the bar starts or after it stopped (the final eval): a line of its own
+            self.log(f"held-out accuracy: {accuracy:.3f}" + ("" if step is None else f" (step {step})"))
         self._refresh(0)
 
     def step(self, metrics: dict) -> None:
@@ -59,7 +60,12 @@ class RunProgress:
         if self._progress is None:
             return
         m = self._last
-        info = (f"reward {m.get('reward/mean', float('nan')):.2f}  eval {self._eval:.2f}  "
+        if self._eval is None:
+            ev = "eval -"
+        else:
+            ev = f"eval {self._eval[0]:.2f}" + ("" if self._eval[1] is None else f"@s{self._eval[1]}")
+        warmup = "critic warm-up  " if m.get("train/critic_warmup") == 1.0 else ""  # the actor is not updated yet
+        info = (f"{warmup}reward {m.get('reward/mean', float('nan')):.2f}  {ev}  "
                 f"lag {m.get('async/lag_mean', 0):.1f}  tok/s {m.get('perf/tokens_per_s', 0):,.0f}")
         self._progress.update(self._task, advance=advance, info=info)
 
