@@ -4,7 +4,14 @@
 
 Run it cell by cell in a notebook, or as a script: no `if __name__ == "__main__":` guard is needed,
 and the environment class needs no importable module (sao.train sends it to the rollout process by
-value). About 5 minutes on 2 CPU cores with the settings below.
+value).
+
+What to expect: this is a tour of the API, a smoke test, not a demonstration of learning. Measured on
+the 2-core CPU machine (2026-12-02, SFT not cached, 75-90 s in all): held-out 0.020 -> 0.020 with
+the settings below; with env.options.max_value=9 (one-digit numbers) 0.260 -> 0.000 after 60 steps
+(the policy's entropy tripled at step ~45), and 0.260 -> 0.330 with train.lr=2e-4 train.steps=100.
+A 300-step SFT is too short for the tiny model to compare two-digit numbers; to see SAO learn,
+run `sao train` (the calc task). tests/test_api.py runs this script end to end.
 """
 
 # %% 1. An environment: "which is larger?", answered in a tag. Options, tasks, episodes, a demo.
