@@ -143,6 +143,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, progress: RunProgress, resume: Path | None = None):
         self.cfg, self.progress = cfg, progress
+        self.setup: dict = {}
         self.algo = get_algorithm(cfg.algo.name)
         self.environment = preflight(cfg, resume=resume)  # bad input fails before anything is written
         self.limits = limits_of(cfg)
@@ -155,7 +156,9 @@ class Trainer:
             self.run = RunDir(resume, cfg)
         else:
             self.run = RunDir.create(cfg)
-            self.model_path, _ = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps))
+            t0 = time.perf_counter()
+            self.model_path, built = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps))
+            self.setup = {"sft_built": built, "sft_s": time.perf_counter() - t0}  # summary.json: first-run cost
         self.codec = ChatCodec(load_tokenizer(self.model_path))
         # engine.device / engine.dtype: the trainer and the torch engines run there (sao/device.py)
         self.device, self.dtype = resolve_device(cfg.engine.device), resolve_dtype(cfg.engine.dtype)
@@ -174,7 +177,7 @@ class Trainer:
                 self.critic = with_lora(critic.to(self.device), cfg.critic.lora, value_head=True)
         self.learner = Learner(self.actor, self.critic, self.algo, cfg.algo, cfg.critic, cfg.train, dtype=self.dtype)
         self.eval_tasks = self.environment.eval_tasks(cfg.eval.num_tasks)
-        self.totals = {"dropped_stale": 0, "failed": 0, "wait_s": 0.0}
+        self.totals = {"dropped_stale": 0, "failed": 0, "wait_s": 0.0, "checkpoint_s": 0.0}
         self.step, self.unpublished, self.queue = 0, 0, make_queue(self.algo, cfg)  # whole groups for grpo
         state = checkpoint.load_state(ckpt) if ckpt is not None else None
         if state is not None:
@@ -222,7 +225,10 @@ class Trainer:
             self.save(f"step_{step:06d}")
 
     def save(self, tag: str) -> Path:
-        return checkpoint.save(self, tag, self.step)
+        t0 = time.perf_counter()
+        path = checkpoint.save(self, tag, self.step)
+        self.totals["checkpoint_s"] += time.perf_counter() - t0  # in summary.json: what checkpoints cost the run
+        return path
 
     def save_at_exit(self, tag: str) -> Path:
         """The last checkpoint; the audit says which episodes it carries over, so they are not taken for lost."""
@@ -335,7 +341,7 @@ def train(cfg: Config, progress: RunProgress, resume: str | Path | None = None) 
     ckpt = trainer.save_at_exit("final")
     wall = time.perf_counter() - t_start
     result = RunResult(str(trainer.run.path), before, after, trainer.step, wall,
-                       {"checkpoint": str(ckpt), "parity_max_abs_diff": diff, **trainer.totals})
+                       {"checkpoint": str(ckpt), "parity_max_abs_diff": diff, **trainer.totals, **trainer.setup})
     trainer.run.write_json("summary.json", result.__dict__)
     trainer.run.close()
     return result
