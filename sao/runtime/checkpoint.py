@@ -34,17 +34,8 @@ import torch
 
 from sao.config import ConfigError
 from sao.models.lora import is_peft, save_merged_model
-from sao.runtime.run_dir import write_failure
+from sao.runtime.run_dir import fsync_tree, write_failure
 from sao.types import Trajectory
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")) + [root]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _atomic_text(path: Path, text: str) -> None:
@@ -142,7 +133,7 @@ def _write(trainer, tmp: Path, step: int) -> None:
         torch.save(state, f)
     small = {k: state[k] for k in ("step", "actor_version", "critic_version", "steps_done", "totals")}
     (tmp / "state.json").write_text(json.dumps(small))
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
 
 
 def latest(run_path: Path) -> Path | None:

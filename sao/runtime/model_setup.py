@@ -33,7 +33,7 @@ from sao.models.chat import ChatCodec
 from sao.models.tiny import build_tiny_model, load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.runtime.preflight import model_path_of
-from sao.runtime.run_dir import write_failure
+from sao.runtime.run_dir import fsync_tree, write_failure
 from sao.trainer.sft import Example, sft_train
 
 SFT_FORMAT = 2  # bump when the demo tokenization, SFT recipe or held-out split changes (2: split by data_seed)
@@ -76,15 +76,6 @@ def cache_entry_problem(path: Path) -> str | None:
     return None
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in [*sorted(root.rglob("*")), root]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def prepare_base_model(cfg: Config, on_step: Callable[[int, float], None] | None = None,
                        force: bool = False, log: Callable[[str], None] | None = None) -> tuple[Path, bool]:
     """Return (path, built_now). Builds and SFT-trains the tiny model on a cache miss (one builder at a
@@ -112,7 +103,7 @@ def prepare_base_model(cfg: Config, on_step: Callable[[int, float], None] | None
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
         try:
             _build(cfg, tmp, on_step)
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             if out.exists():
                 old = Path(tempfile.mkdtemp(prefix=out.name + ".old-", dir=out.parent))
                 os.replace(out, old / "entry")

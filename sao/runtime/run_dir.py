@@ -52,6 +52,16 @@ def write_failure(what: Path | str, exc: BaseException) -> WriteError:
     return WriteError(f"{what}: {first}")
 
 
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under root (then root): a rename after it publishes whole files."""
+    for path in [*sorted(root.rglob("*")), root]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def default_name(cfg: Config) -> str:
     return f"{cfg.algo.name}-{cfg.env.name.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
 
