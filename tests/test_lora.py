@@ -66,7 +66,7 @@ def test_lora_run_with_a_smaller_lora_critic_keeps_the_parity_gate(tmp_path):
     assert (final / "critic" / "adapter_config.json").is_file()
     # the merged model is a plain HF folder whose weights moved away from the base by the adapter's training
     merged = load_file(final / "actor_merged" / "model.safetensors")
-    base = load_file(next((tmp_path / "cache").glob("tiny-*")) / "model.safetensors")
+    base = load_file(next((tmp_path / "cache").glob("tiny-*/model.safetensors")))  # not the entry's .lock file
     key = "model.layers.0.self_attn.q_proj.weight"
     assert merged[key].shape == base[key].shape and not torch.equal(merged[key], base[key])
     ev = subprocess.run([sys.executable, "-m", "sao.cli", "eval", str(run), "eval.num_tasks=4"], cwd=tmp_path,
