@@ -40,7 +40,7 @@ from sao.models.chat import ChatCodec
 from sao.models.tiny import load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.rollout.agent_loop import run_episode
-from sao.runtime.train import limits_of
+from sao.runtime.episodes import limits_of
 from sao.types import Generation, SamplingParams
 
 

@@ -31,10 +31,10 @@ from sao.config import load_config
 from sao.envs import make_environment
 from sao.models.tiny import load_model
 from sao.runtime.backend import make_backend
+from sao.runtime.episodes import limits_of
 from sao.runtime.model_setup import prepare_base_model
 from sao.runtime.queue import TrajectoryQueue
 from sao.runtime.scheduler import Audit, Scheduler, TaskStream
-from sao.runtime.train import limits_of
 from sao.runtime.worker_host import quiet_transformers
 
 

@@ -76,21 +76,26 @@ def train(config: Config | dict | str | Path | None = None, *overrides: str, env
     cfg = as_config(config, overrides)
     if env is not None:
         cfg.env.name = use_environment(env)
-    _preflight(cfg, Path(resume) if resume is not None else None)
+    from sao.runtime.threads import set_wait_policy
+
+    set_wait_policy(cfg.runtime.mode)  # takes effect only if torch is not imported yet (sao/runtime/threads.py)
+    environment = _preflight(cfg, Path(resume) if resume is not None else None)
     from sao.runtime.progress import RunProgress
     from sao.runtime.train import train as run_training
 
     enabled = cfg.output.progress if progress is None else progress
     with _main_module_hidden():
-        return run_training(cfg, RunProgress(enabled=enabled and sys.stderr.isatty()), resume=resume)
+        return run_training(cfg, RunProgress(enabled=enabled and sys.stderr.isatty()), resume=resume,
+                            environment=environment)
 
 
-def _preflight(cfg: Config, resume: Path | None) -> None:
-    """The CLI's checks before anything is written; a component's field error becomes a ConfigError."""
+def _preflight(cfg: Config, resume: Path | None):
+    """The CLI's checks before anything is written (returns the environment); a component's field
+    error becomes a ConfigError."""
     from sao.runtime.preflight import preflight
 
     try:
-        preflight(cfg, resume=resume)
+        return preflight(cfg, resume=resume)
     except ConfigError:
         raise
     except ValueError as exc:  # e.g. "env.options.max_ops: ..." from an environment's Options
@@ -117,8 +122,8 @@ def evaluate(target: str | Path, *overrides: str, config: Config | dict | str | 
     from sao.models.chat import ChatCodec
     from sao.models.tiny import load_model
     from sao.models.tokenizer import load_tokenizer
+    from sao.runtime.episodes import limits_of
     from sao.runtime.evaluate import evaluate as run_eval
-    from sao.runtime.train import limits_of
     from sao.runtime.worker_host import quiet_transformers
 
     model_path, run_cfg = resolve_model(target)

@@ -71,7 +71,10 @@ def cmd_train(ns) -> int:
         cfg = load_config(run / "config.yaml", overrides + extra)
     else:
         cfg = _config(ns.args, extra)
-    preflight(cfg, resume=run)  # bad input is refused before anything is started or written
+    from sao.runtime.threads import set_wait_policy
+
+    set_wait_policy(cfg.runtime.mode)  # before torch loads OpenMP (sao/runtime/threads.py)
+    environment = preflight(cfg, resume=run)  # bad input is refused before anything is started or written
     if cfg.runtime.mode == "async" and cfg.runtime.backend == "local":
         from sao.runtime.prewarm import prewarm
 
@@ -80,7 +83,7 @@ def cmd_train(ns) -> int:
     from sao.runtime.train import train
 
     progress = RunProgress(enabled=cfg.output.progress)
-    result = train(cfg, progress, resume=ns.resume)
+    result = train(cfg, progress, resume=ns.resume, environment=environment)
     print(f"run directory: {result.run_dir}")
     print(f"held-out accuracy: {result.accuracy_before:.3f} (start) -> {result.accuracy_after:.3f} (final) "
           f"after {result.steps} steps in {result.wall_s:.0f}s")
@@ -96,9 +99,9 @@ def cmd_sft(ns) -> int:
     cfg = _config(ns.args)
     quiet_transformers()
     make_environment(cfg.env.name, cfg.env.options, cfg.train.seed)  # bad env.options fail before SFT
-    import torch
+    from sao.runtime.threads import ThreadPlan
 
-    torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)
+    ThreadPlan(cfg.runtime).setup()
     progress = RunProgress(enabled=not ns.quiet)
     path, built = prepare_base_model(cfg, progress.sft_callback(cfg.sft.steps), force=ns.force)
     print(f"{'built' if built else 'cached'} SFT model: {path}")

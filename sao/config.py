@@ -187,7 +187,8 @@ class EngineConfig(Section):
     name: Literal["torch", "vllm"] = Field("torch", description=(
         "rollout engine: torch (built-in, in process) or vllm (a vLLM server, started by sao or at engine.url)"))
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
-        "where the trainer and the torch engine run: auto = CUDA when a GPU is visible, else CPU"))
+        "where the torch engines run (rollout workers, evaluation, the parity gate): auto = CUDA when a GPU "
+        "is visible, else CPU; the trainer's models go to trainer.device"))
     dtype: Literal["float32", "bfloat16"] = Field("float32", description=(
         "compute precision: bfloat16 = autocast with float32 master weights (trainer, torch engine; "
         "vllm: the server's --dtype)"))
@@ -199,12 +200,18 @@ class EngineConfig(Section):
     python: str = Field(".venv-vllm/bin/python", description=(
         "vllm: the Python of the vLLM environment that sao starts the server with (bash scripts/install.sh vllm)"))
     server_args: list[str] = Field(default_factory=list, description="vllm: extra arguments for the server sao starts")
-    weight_transport: Literal["reload", "nccl", "ipc"] = Field("reload", description=(
-        "vllm: how new weights reach the server: reload (safetensors on /dev/shm, works on CPU), "
-        "nccl or ipc (vLLM's GPU weight-transfer backends)"))
+    weight_transport: Literal["reload", "ipc"] = Field("reload", description=(
+        "vllm: how new weights reach the server: reload (safetensors on /dev/shm, works on CPU) or ipc "
+        "(CUDA IPC handles, a server on the trainer's GPU node); NCCL broadcast across nodes is not built yet"))
     startup_timeout_s: float = Field(300.0, gt=0, description="vllm: wait this long for a started server to be healthy")
     request_timeout_s: float = Field(600.0, gt=0, description="vllm: limit on one generate request")
     max_restarts: int = Field(3, ge=0, description="vllm: restarts of a dead server sao started before giving up")
+
+
+class TrainerConfig(Section):
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "where the trainer's actor and critic live: auto = CUDA when a GPU is visible, else CPU "
+        "(the torch engines follow engine.device, so the two can differ)"))
 
 
 class EvalConfig(Section):
@@ -243,6 +250,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     # dotted key -> "file" or "override", filled by load_config; see value_sources

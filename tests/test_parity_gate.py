@@ -3,11 +3,16 @@
 import pytest
 import torch
 
+from sao.engine.torch_engine import TorchEngine
 from sao.envs import make_environment
 from sao.models.tiny import load_model
 from sao.rollout.agent_loop import EpisodeLimits
-from sao.runtime.train import ParityError, parity_check
+from sao.runtime.parity import ParityError, parity_check
 from sao.runtime.weight_sync import SharedWeights
+
+
+def _engine(engine_model, codec):
+    return TorchEngine(engine_model, codec.tokenizer.pad_token_id, max_batch=16, seed=0)
 
 
 def test_gate_passes_when_weights_travel_through_shared_memory(tiny, tiny_model_dir):
@@ -20,7 +25,7 @@ def test_gate_passes_when_weights_travel_through_shared_memory(tiny, tiny_model_
     weights.publish(list(model.parameters()), 0)
     weights.load_into([p.data for p in engine_model.parameters()])
     env = make_environment("calc", {}, seed=0)
-    diff = parity_check(model, engine_model, codec, env, EpisodeLimits(max_action_tokens=12), tol=1e-4)
+    diff = parity_check(model, _engine(engine_model, codec), codec, env, EpisodeLimits(max_action_tokens=12), tol=1e-4)
     assert diff <= 1e-4
 
 
@@ -31,13 +36,12 @@ def test_gate_refuses_when_engine_and_trainer_disagree(tiny, tiny_model_dir):
         engine_model.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # a 1% drift, e.g. a botched sync
     env = make_environment("calc", {}, seed=0)
     with pytest.raises(ParityError, match="refusing to train"):
-        parity_check(model, engine_model, codec, env, EpisodeLimits(max_action_tokens=12), tol=1e-4)
+        parity_check(model, _engine(engine_model, codec), codec, env, EpisodeLimits(max_action_tokens=12), tol=1e-4)
 
 
 def _engine_batch(model, engine_model, codec, n=8):
     """n calc episodes sampled by a torch engine on `engine_model`, collated for the learner."""
-    from sao.engine.torch_engine import TorchEngine
-    from sao.runtime.train import generate_batch
+    from sao.runtime.episodes import generate_batch
     from sao.trainer.batch import collate
     from sao.types import SamplingParams
 
@@ -72,12 +76,10 @@ def test_live_parity_on_tokens_of_the_current_weights(tiny, tiny_model_dir, algo
 def test_live_parity_sees_an_engine_on_other_weights(tiny, tiny_model_dir):
     """The check the vLLM engine is gated by in `sao train`: an engine whose weights drifted (a botched
     transfer, a stale tied head) shows up on the first step, and the run refuses to go on."""
-    from types import SimpleNamespace
-
     from sao.algo.registry import get_algorithm
     from sao.config import AlgoConfig, CriticConfig, TrainConfig, load_config
     from sao.models.critic import build_critic
-    from sao.runtime.train import Trainer
+    from sao.runtime.parity import LiveParity
     from sao.trainer.learner import Learner
 
     model, codec = tiny
@@ -89,8 +91,6 @@ def test_live_parity_sees_an_engine_on_other_weights(tiny, tiny_model_dir):
                       CriticConfig(warmup_steps=0), TrainConfig(lr=1e-3))
     m = learner.step(batch)
     assert m["parity/live_max_abs_diff"] > 1e-3
-    trainer = SimpleNamespace(cfg=load_config(None, ["engine.name=vllm"]))
     with pytest.raises(ParityError, match="engine.name=vllm .* refusing to train on"):
-        Trainer._check_live_parity(trainer, m)
-    torch_trainer = SimpleNamespace(cfg=load_config(None, []))  # gated at step 2 instead
-    Trainer._check_live_parity(torch_trainer, m)
+        LiveParity(load_config(None, ["engine.name=vllm"]))(m)
+    LiveParity(load_config(None, []))(m)  # the torch engine is gated at step 2 instead

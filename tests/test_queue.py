@@ -3,6 +3,7 @@
 import itertools
 import json
 
+from sao.runtime.pacing import Pacing
 from sao.runtime.queue import TrajectoryQueue, drop_reason
 from sao.runtime.scheduler import Audit, Scheduler, TaskStream
 from sao.types import Finished, Status, Task, Trajectory, WorkerLost
@@ -25,10 +26,10 @@ class Recorder:
         self.got[worker] += items
 
 
-def scheduler(tmp_path, workers=1, batch_size=2, max_lag=1, state=None):
+def scheduler(tmp_path, workers=1, batch_size=2, ahead=1):
     tasks = TaskStream(Task(f"t{i}", "p") for i in itertools.count())
     backend = Recorder(workers)
-    return Scheduler(backend, tasks, Audit(tmp_path / "audit.jsonl"), batch_size, max_lag, state), backend
+    return Scheduler(backend, tasks, Audit(tmp_path / "audit.jsonl"), Pacing(batch_size, ahead)), backend
 
 
 def test_pacing_admits_max_lag_plus_one_batches_ahead(tmp_path):
@@ -37,7 +38,7 @@ def test_pacing_admits_max_lag_plus_one_batches_ahead(tmp_path):
     assert len(backend.got[0]) == 4  # (0 consumed + 1 + 1) * 2
     sched.fill(0)
     assert len(backend.got[0]) == 4  # nothing more until a batch is consumed
-    sched.consumed += 1
+    sched.pacing.consumed += 1
     sched.fill(1)
     assert len(backend.got[0]) == 6
     sched.dropped([traj(0)], 1, drop_reason)  # a dropped episode frees its slot
@@ -46,7 +47,7 @@ def test_pacing_admits_max_lag_plus_one_batches_ahead(tmp_path):
 
 
 def test_work_is_spread_over_workers_and_a_lost_workers_episodes_are_issued_again(tmp_path):
-    sched, backend = scheduler(tmp_path, workers=2, batch_size=2, max_lag=1)
+    sched, backend = scheduler(tmp_path, workers=2, batch_size=2, ahead=1)
     sched.fill(0)
     assert [len(backend.got[w]) for w in (0, 1)] == [2, 2]
     first = backend.got[1][0]
@@ -66,12 +67,14 @@ def test_work_is_spread_over_workers_and_a_lost_workers_episodes_are_issued_agai
 def test_scheduler_state_round_trips_pending_work(tmp_path):
     sched, backend = scheduler(tmp_path)
     sched.fill(0)
-    state = sched.state([])
-    again, backend2 = scheduler(tmp_path, state=state)
-    again.tasks = TaskStream((Task(f"t{i}", "p") for i in itertools.count()), state["cursor"])
+    state = {"scheduler": sched.state_dict(), "pacing": sched.pacing.state_dict(), "tasks": sched.tasks.state_dict()}
+    again, backend2 = scheduler(tmp_path)
+    again.load_state_dict(state["scheduler"])
+    again.pacing.load_state_dict(state["pacing"])
+    again.tasks.load_state_dict(state["tasks"])
     again.fill(0)
     assert [a.id for a in backend2.got[0]] == [a.id for a in backend.got[0]]  # the same ids, run again
-    assert again.tasks.cursor == 4 and again.issued == 4
+    assert again.tasks.cursor == 4 and again.pacing.issued == 4
 
 
 def test_drop_at_dequeue_counts_stale_and_failed():
@@ -100,24 +103,6 @@ def test_lag_uses_the_oldest_token_version():
     assert Trajectory.from_json(t.to_json()) == t
 
 
-def test_issue_ahead_paces_fewer_batches_than_max_lag_allows(tmp_path):
-    from sao.config import RuntimeConfig
-    from sao.runtime.train import issue_ahead
-
-    # ahead = min(max_lag, max(issue_ahead, sync_every - 1))
-    assert issue_ahead(RuntimeConfig(max_lag=2, issue_ahead=1)) == 1
-    assert issue_ahead(RuntimeConfig(max_lag=1, issue_ahead=3)) == 1
-    assert issue_ahead(RuntimeConfig(max_lag=3, issue_ahead=0, sync_every=3)) == 2
-    tasks = TaskStream(Task(f"t{i}", "p") for i in itertools.count())
-    backend = Recorder(1)
-    sched = Scheduler(backend, tasks, Audit(tmp_path / "audit.jsonl"), 2, 2, ahead=1)
-    sched.fill(0)
-    assert len(backend.got[0]) == 4  # (0 consumed + 1 ahead + 1) * 2, not (0 + 2 + 1) * 2
-    sched.consumed += 1
-    sched.fill(1)
-    assert len(backend.got[0]) == 6
-
-
 def test_a_worker_that_keeps_dying_before_reporting_stops_the_run(tmp_path):
     import pytest
 
@@ -129,29 +114,3 @@ def test_a_worker_that_keeps_dying_before_reporting_stops_the_run(tmp_path):
     sched.handle([WorkerLost(0, "exit 1")], q, 0)  # died again before reporting: still retried
     with pytest.raises(WorkerCrashLoop, match="rollout worker 0 died 3 times in a row .*exit 1"):
         sched.handle([WorkerLost(0, "exit 1")], q, 0)
-
-
-def test_trainer_bound_run_trains_every_batch_issue_ahead_versions_stale(tmp_path):
-    """Why issue 12's async batches were all max_lag stale: a worker that finishes every episode at once
-    (the trainer is the bottleneck) fills the queue as far as pacing allows, so in steady state each
-    trained batch is exactly `ahead` versions old. One batch ahead (the default) keeps the trainer fed
-    and halves the lag of max_lag=2."""
-    def steady_lags(ahead, steps=8, batch_size=2, max_lag=2):
-        tasks = TaskStream(Task(f"t{i}", "p") for i in itertools.count())
-        backend = Recorder(1)
-        sched = Scheduler(backend, tasks, Audit(tmp_path / f"audit{ahead}.jsonl"), batch_size, max_lag, ahead=ahead)
-        queue, version, seen, lags = TrajectoryQueue(), 0, 0, []
-        for step in range(1, steps + 1):
-            sched.fill(step - 1)
-            for item in backend.got[0][seen:]:  # generated at once with the published weights
-                queue.put(Trajectory(item.id, item.task.id, [1, 2, 3], [0, 1, 1], [0.0] * 3, [-1, version, version], 1))
-            seen = len(backend.got[0])
-            batch, dropped = queue.get_batch(batch_size, version, max_lag)
-            assert len(batch) == batch_size and not dropped  # the trainer never waits, nothing is dropped
-            lags.append(max(t.lag(version) for t in batch))
-            version += 1  # train, publish
-            sched.consumed += 1
-        return lags[-4:]
-
-    assert steady_lags(ahead=2) == [2, 2, 2, 2]  # the old pacing: (consumed + max_lag + 1) * B in play
-    assert steady_lags(ahead=1) == [1, 1, 1, 1]

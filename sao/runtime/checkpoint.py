@@ -2,8 +2,9 @@
 
     checkpoints/step_000040/
       actor/, critic/        HF format (weights + tokenizer)
-      trainer_state.pt       optimizer states, versions, RNG states, task cursor, running-mean
-                             baseline, pacing counters, queued (finished, untrained) trajectories,
+      trainer_state.pt       every part's state_dict (sao/runtime/context.py): the trainer's
+                             (optimizer states, versions, running-mean baseline), pacing counters,
+                             task cursor, RNG states, queued (finished, untrained) trajectories,
                              issued-but-unfinished assignments, and the line counts of
                              metrics.jsonl and audit.jsonl at this step
       state.json             the small, human-readable part
@@ -11,9 +12,10 @@
 
 A checkpoint is written into `<tag>.partial`, every file fsynced, then renamed into place, and only
 then does `latest` (itself replaced by rename) point at it: a crash while writing leaves the
-previous checkpoint usable. The learning rate is constant (no scheduler): the optimizers'
-param_groups carry it. Resume truncates metrics.jsonl and audit.jsonl to the saved line counts,
-so steps that ran after the checkpoint (and are trained again) are not recorded twice.
+previous checkpoint usable. This module only writes and reads files; what goes in them is each
+owner's. The learning rate is constant (no scheduler): the optimizers' param_groups carry it.
+Resume truncates metrics.jsonl and audit.jsonl to the saved line counts, so steps that ran after
+the checkpoint (and are trained again) are not recorded twice.
 
 A write that fails (a full disk) removes the `.partial` folder and raises WriteError naming the
 checkpoint; the previous checkpoint and `latest` are untouched. `resume_problem` is what `--resume`
@@ -25,17 +27,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from sao.config import ConfigError
-from sao.models.lora import is_peft, save_merged_model
 from sao.runtime.run_dir import fsync_tree, write_failure
-from sao.types import Trajectory
 
 
 def _atomic_text(path: Path, text: str) -> None:
@@ -47,47 +47,15 @@ def _atomic_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def count_lines(path: Path) -> int:
-    return sum(1 for _ in open(path)) if path.exists() else 0
-
-
-def truncate_lines(path: Path, n: int) -> None:
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    if len(lines) > n:
-        path.write_text("".join(lines[:n]))
-
-
-def trainer_state(trainer, step: int) -> dict:
-    learner = trainer.learner
-    sched = trainer.scheduler
-    queued = trainer.queue.items()
-    return {
-        "step": step,
-        "actor_version": learner.actor_version, "critic_version": learner.critic_version,
-        "steps_done": learner.steps_done, "unpublished": trainer.unpublished,
-        "guard": learner.guard_state(),
-        "actor_opt": learner.actor_opt.state_dict(),
-        "critic_opt": learner.critic_opt.state_dict() if learner.critic_opt is not None else None,
-        "running_mean": learner.running_mean.state_dict() if learner.running_mean is not None else None,
-        "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
-        "scheduler": sched.state(queued) if sched is not None else {"cursor": trainer.tasks.cursor},
-        "queued": [t.to_json() for t in queued],
-        "queue_counts": {"dropped_stale": trainer.queue.dropped_stale, "failed": dict(trainer.queue.failed)},
-        "totals": dict(trainer.totals),
-        "metrics_lines": count_lines(trainer.run.path / "metrics.jsonl"),
-        "audit_lines": trainer.audit.lines() if trainer.audit is not None else 0,
-    }
-
-
-def save(trainer, tag: str, step: int) -> Path:
-    run = trainer.run
-    final = run.path / "checkpoints" / tag
+def save(run_path: Path, tag: str, state: dict, write_models: Callable[[Path], None], keep: int,
+         protect: str | None = None) -> Path:
+    """Write checkpoint `tag`: `write_models(folder)` writes the HF folders, `state` (every part's
+    state_dict, sao/runtime/context.py) goes into trainer_state.pt; then `latest` points at it."""
+    final = run_path / "checkpoints" / tag
     tmp = final.with_name(tag + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write(trainer, tmp, step)
+        _write(tmp, state, write_models)
     except Exception as exc:  # a full disk surfaces as OSError, torch's "basic_ios::clear" or a SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
         raise write_failure(f"checkpoint {final}", exc) from None
@@ -100,38 +68,33 @@ def save(trainer, tag: str, step: int) -> Path:
             shutil.rmtree(old)
         else:
             os.replace(tmp, final)
-        _atomic_text(run.path / "checkpoints" / "latest", tag + "\n")
+        _atomic_text(run_path / "checkpoints" / "latest", tag + "\n")
     except OSError as exc:
         raise write_failure(f"checkpoint {final}", exc) from None
-    prune(run.path / "checkpoints", trainer.cfg.output.keep_checkpoints)
+    prune(run_path / "checkpoints", keep, protect)
     return final
 
 
-def prune(folder: Path, keep: int) -> None:
-    """Delete all but the newest `keep` periodic checkpoints (step_N; never final, never the latest)."""
+def prune(folder: Path, keep: int, protect: str | None = None) -> None:
+    """Delete all but the newest `keep` periodic checkpoints (step_N; never final, never the latest, never
+    `protect`: the checkpoint a resumed run started from, whose actor/ the engines load)."""
     if keep <= 0:
         return
     latest_tag = (folder / "latest").read_text().strip()
     periodic = sorted((p for p in folder.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
                       key=lambda p: int(p.name[5:]))
     for old in periodic[:-keep]:
-        if old.name != latest_tag:
+        if old.name not in (latest_tag, protect):
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _write(trainer, tmp: Path, step: int) -> None:
-    trainer.actor.save_pretrained(tmp / "actor")  # a LoRA actor writes its adapter (sao/models/lora.py)
-    trainer.codec.tokenizer.save_pretrained(tmp / "actor")
-    if trainer.cfg.model.lora.save_merged and is_peft(trainer.actor):
-        save_merged_model(trainer.actor, tmp / "actor_merged")
-        trainer.codec.tokenizer.save_pretrained(tmp / "actor_merged")
-    if trainer.critic is not None:
-        trainer.critic.save_pretrained(tmp / "critic")
-        trainer.codec.tokenizer.save_pretrained(tmp / "critic")
-    state = trainer_state(trainer, step)
+def _write(tmp: Path, state: dict, write_models: Callable[[Path], None]) -> None:
+    write_models(tmp)
     with open(tmp / "trainer_state.pt", "wb") as f:  # a Python file: a failed write raises OSError with its errno
         torch.save(state, f)
-    small = {k: state[k] for k in ("step", "actor_version", "critic_version", "steps_done", "totals")}
+    trainer = state["trainer"]
+    small = {"step": state["step"], "totals": state["totals"],
+             **{k: trainer[k] for k in ("actor_version", "critic_version", "steps_done") if k in trainer}}
     (tmp / "state.json").write_text(json.dumps(small))
     fsync_tree(tmp)
 
@@ -208,31 +171,9 @@ def resume_problem(run: Path, steps: int) -> str | None:
     return None
 
 
-def load_state(ckpt: Path) -> dict:
+def load(ckpt: Path) -> dict:
+    """trainer_state.pt: the state every part of the run restores (sao/runtime/context.py)."""
     try:
         return torch.load(ckpt / "trainer_state.pt", weights_only=False)
     except Exception as exc:
         raise ConfigError(f"--resume: {ckpt / 'trainer_state.pt'} cannot be read ({_first_line(exc)})") from None
-
-
-def restore(trainer, state: dict) -> None:
-    """Everything but the weights (loaded with the models) back into a freshly built trainer."""
-    learner = trainer.learner
-    learner.actor_version, learner.critic_version = state["actor_version"], state["critic_version"]
-    learner.steps_done = state["steps_done"]
-    learner.load_guard_state(state.get("guard", {}))  # older checkpoints have none: counters start at 0
-    learner.actor_opt.load_state_dict(state["actor_opt"])
-    if learner.critic_opt is not None and state["critic_opt"] is not None:
-        learner.critic_opt.load_state_dict(state["critic_opt"])
-    if learner.running_mean is not None and state["running_mean"]:
-        learner.running_mean.load_state_dict(state["running_mean"])
-    random.setstate(state["rng"]["python"])
-    torch.set_rng_state(state["rng"]["torch"])
-    trainer.step, trainer.unpublished = state["step"], state["unpublished"]
-    trainer.totals.update(state["totals"])
-    for line in state["queued"]:
-        trainer.queue.put(Trajectory.from_json(line))
-    trainer.queue.dropped_stale = state["queue_counts"]["dropped_stale"]
-    trainer.queue.failed = dict(state["queue_counts"]["failed"])
-    truncate_lines(trainer.run.path / "metrics.jsonl", state["metrics_lines"])
-    truncate_lines(trainer.run.path / "audit.jsonl", state["audit_lines"])

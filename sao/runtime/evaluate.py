@@ -1,8 +1,10 @@
-"""Held-out evaluation of a pinned policy version with the built-in engine."""
+"""Held-out evaluation of a pinned policy version with the built-in engine; `Evaluator` does it during
+a run (a copy of the trainer's weights, logged as eval/* rows and eval_step_* trajectories)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from sao.engine.torch_engine import TorchEngine
@@ -34,11 +36,13 @@ async def _evaluate(engine, environment, codec, tasks, limits, params, version, 
 
 def evaluate(model, codec: ChatCodec, environment, tasks: list[Task], limits: EpisodeLimits,
              greedy: bool = True, seed: int = 0, version: int = 0, max_batch: int = 128,
-             trainer_step: int = 0) -> EvalResult:
+             trainer_step: int = 0, engine=None) -> EvalResult:
     """Run every task once with a pinned policy version; `trainer_step` is what episodes see as the
-    run's progress (environments whose reward changes over time use it)."""
+    run's progress (environments whose reward changes over time use it). `engine`: one already built
+    on `model` (engine.* settings), else the built-in engine's defaults."""
     params = SamplingParams(temperature=0.0 if greedy else 1.0, seed=seed)
-    engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=max_batch, seed=seed, version=version)
+    if engine is None:
+        engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=max_batch, seed=seed, version=version)
     was_training = model.training
     trajs = asyncio.run(_evaluate(engine, environment, codec, tasks, limits, params, version, trainer_step))
     model.train(was_training)
@@ -51,3 +55,30 @@ def evaluate(model, codec: ChatCodec, environment, tasks: list[Task], limits: Ep
     metrics["distinct_tasks"] = float(len({t.prompt for t in tasks}))  # fewer than n when held-out problems repeat
     solved = [t.reward if t.status == Status.OK else 0.0 for t in trajs]
     return EvalResult(sum(solved) / len(trajs), len(trajs), statuses, metrics, trajs)
+
+
+class Evaluator:
+    """Evaluations during a run: the same held-out tasks each time, on a copy of the trainer's weights."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.tasks = ctx.environment.eval_tasks(ctx.cfg.eval.num_tasks)
+
+    def __call__(self, step: int) -> float:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        ctx.threads.evaluate()
+        t0 = time.perf_counter()
+        self.policy = ctx.policy_copy()
+        self.policy.load(ctx.trainer.export_weights())
+        version = ctx.trainer.version
+        engine = self.policy.engine(ctx.codec.tokenizer.pad_token_id, max_batch=128, seed=cfg.train.seed, version=version)
+        res = evaluate(self.policy.model, ctx.codec, ctx.environment, self.tasks, ctx.limits, greedy=cfg.eval.greedy,
+                       seed=cfg.train.seed, version=version, trainer_step=step, engine=engine)
+        ctx.threads.train()
+        row = {"eval/accuracy": res.accuracy, **{f"eval/{k}": v for k, v in res.metrics.items()},
+               "eval/wall_s": time.perf_counter() - t0}  # lets `sao bench` take evaluations out of wall-clock
+        ctx.run.log(step, row)
+        ctx.run.write_trajectories(step, res.trajectories[: cfg.output.trajectories_per_dump], ctx.codec.decode,
+                                   prefix="eval_step")
+        ctx.progress.set_eval(res.accuracy, step=step)
+        return res.accuracy

@@ -19,7 +19,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Iterator
 
-from sao.runtime.queue import TrajectoryQueue, drop_reason
+from sao.runtime.queue import TrajectoryQueue, drop_reason, load_queue_state, queue_state
 from sao.types import TRAINABLE, Task, Trajectory
 
 
@@ -62,6 +62,12 @@ class GroupQueue:
 
     def items(self) -> list[Trajectory]:
         return [t for g in self._complete for t in g] + [t for g in self._open.values() for t in g]
+
+    def state_dict(self) -> dict:
+        return queue_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_queue_state(self, state)
 
     def drop_reason(self, traj: Trajectory) -> str:
         return self._reasons.pop(traj.id, "stale")

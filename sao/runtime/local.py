@@ -3,6 +3,8 @@
     trainer ──Assignment lists──► pipe ──► worker i (WorkerHost: engine + slots)
     trainer ◄──Finished/WorkerStats── pipe ◄── worker i   (a sender thread: the event loop never blocks)
     weights: one SharedWeights buffer (shared memory) that every engine polls between decode steps
+    in flight: the trainer counts what it submitted to each worker; each worker counts, in shared
+               memory, the episodes it finished (`in_flight()` reads both and receives nothing)
 
 Each worker has its own pair of pipes, so a worker killed mid-message only breaks its own pipe.
 A worker never outlives the trainer: workers are forked from a fork server (started early by
@@ -28,7 +30,7 @@ from sao.runtime.backend import reseed
 from sao.runtime.prewarm import forkserver_context
 from sao.runtime.weight_sync import SharedWeights
 from sao.runtime.worker_host import WorkerSpec
-from sao.types import Assignment, Record, WorkerLost
+from sao.types import Assignment, Finished, Record, WorkerLost
 
 PR_SET_PDEATHSIG = 1
 
@@ -72,7 +74,7 @@ def _never_outlive(trainer_pid: int) -> None:
         os._exit(1)
 
 
-def worker_main(spec: WorkerSpec, weights: SharedWeights, inbox, outbox, parent_pid: int) -> None:
+def worker_main(spec: WorkerSpec, weights: SharedWeights, inbox, outbox, parent_pid: int, finished) -> None:
     """Entry point of a worker process (forked from the fork server, heavy modules already imported)."""
     _never_outlive(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -82,9 +84,11 @@ def worker_main(spec: WorkerSpec, weights: SharedWeights, inbox, outbox, parent_
 
     pending: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
 
-    def sender() -> None:  # the only writer of `outbox`; may block on a full pipe, the loop does not
+    def sender() -> None:  # the only writer of `outbox` and of finished[i]; may block on a full pipe
         while True:
-            outbox.send(pending.get())
+            record = pending.get()
+            outbox.send(record)
+            finished[spec.index] += isinstance(record, Finished)
 
     threading.Thread(target=sender, daemon=True, name="sao-sender").start()
     host = WorkerHost(spec, weights, pending.put)
@@ -104,12 +108,12 @@ def worker_main(spec: WorkerSpec, weights: SharedWeights, inbox, outbox, parent_
 
 
 class _Worker:
-    def __init__(self, ctx, spec: WorkerSpec, weights: SharedWeights):
+    def __init__(self, ctx, spec: WorkerSpec, weights: SharedWeights, finished):
         self.spec = spec
         self.inbox_r, self.inbox_w = ctx.Pipe(duplex=False)
         self.out_r, self.out_w = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=worker_main, daemon=True, name=f"sao-rollout-{spec.index}",
-                                args=(spec, weights, self.inbox_r, self.out_w, os.getpid()))
+                                args=(spec, weights, self.inbox_r, self.out_w, os.getpid(), finished))
         self.proc.start()
         self.inbox_r.close()  # the child's ends: ours are closed so EOF reaches the other side
         self.out_w.close()
@@ -129,14 +133,16 @@ class LocalBackend:
         self.ctx = mp_context()
         self.weights: SharedWeights | None = None
         self._w: list[_Worker] = []
-        self.restarts = 0
+        self._finished = self.ctx.Array("q", self.workers, lock=False)  # written by each worker's sender thread
+        self._submitted = [0] * self.workers
 
     def start(self, params: list[torch.Tensor], version: int) -> None:
         self.weights = SharedWeights([tuple(p.shape) for p in params], self.ctx)
         self.weights.publish(params, version)
-        self._w = [_Worker(self.ctx, spec, self.weights) for spec in self.specs]
+        self._w = [_Worker(self.ctx, spec, self.weights, self._finished) for spec in self.specs]
 
     def submit(self, worker: int, items: list[Assignment]) -> None:
+        self._submitted[worker] += len(items)
         try:
             self._w[worker].inbox_w.send(items)
         except OSError:  # dead: `receive` reports it, and the scheduler issues these again
@@ -157,12 +163,16 @@ class LocalBackend:
                 out.append(self._restart(i))
         return out
 
+    def in_flight(self) -> int:
+        """Episodes submitted to the workers and not finished yet (sao/runtime/threads.py)."""
+        return sum(s - f for s, f in zip(self._submitted, self._finished))
+
     def _restart(self, i: int) -> WorkerLost:
         old = self._w[i]
         old.close()
-        self.restarts += 1
+        self._submitted[i] = self._finished[i] = 0  # its episodes are issued again (sao/runtime/scheduler.py)
         self.specs[i] = reseed(self.specs[i])
-        self._w[i] = _Worker(self.ctx, self.specs[i], self.weights)
+        self._w[i] = _Worker(self.ctx, self.specs[i], self.weights, self._finished)
         return WorkerLost(i, f"rollout worker {i} exited with code {old.proc.exitcode}; restarted")
 
     def publish(self, params: list[torch.Tensor], version: int) -> float:

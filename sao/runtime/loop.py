@@ -1,20 +1,19 @@
 """The training loops: the one async loop (over any Backend) and the sync loop (for comparison).
 
-    async, each step:  receive until B usable trajectories are queued  (scheduler issues work meanwhile)
-                       learner.step(batch)
-                       publish every `sync_every` actor steps  (pacing room grows: issue more)
-    sync, each step:   generate B episodes with the current weights (actor in eval mode), then train
+    async, each step:  receive until B usable trajectories are queued  (the scheduler issues work meanwhile)
+                       trainer.step(batch)
+                       publish when pacing says so (sao/runtime/pacing.py): room to issue grows
+    sync, each step:   generate B episodes with the current weights, then train
+    both:              `finish_step` logs, dumps trajectories, evaluates and checkpoints on schedule
 """
 
 from __future__ import annotations
 
 import time
 
-import torch
-
-from sao.models.lora import engine_parameters  # merged weights for a LoRA actor
+from sao.runtime.episodes import usable_batch
 from sao.runtime.queue import drop_reason, queue_age_s
-from sao.runtime.threads import AdaptiveThreads
+from sao.runtime.threads import adaptive_threads
 from sao.trainer.batch import collate
 from sao.types import Trajectory
 
@@ -27,9 +26,9 @@ class Interrupted(Exception):
     """Ctrl-C or SIGTERM arrived; raised at a step boundary so the checkpoint is consistent."""
 
 
-def check_stop(trainer) -> None:
-    if trainer.stop_requested:
-        raise Interrupted(trainer.stop_requested)
+def check_stop(ctx) -> None:
+    if ctx.stop_requested:
+        raise Interrupted(ctx.stop_requested)
 
 
 def rollout_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
@@ -48,16 +47,38 @@ def rollout_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
     return m
 
 
-def next_batch(trainer, backend, step: int, version: int) -> tuple[list[Trajectory], float]:
+def finish_step(ctx, step: int, batch: list[Trajectory], version: int, metrics: dict, evaluate) -> None:
+    """Log the step's row (and the run's totals), dump trajectories, evaluate and checkpoint on schedule."""
+    cfg = ctx.cfg
+    ctx.step = step
+    metrics.update(rollout_metrics(batch, version))
+    ctx.live_parity(metrics)
+    metrics["async/dropped_stale_total"] = ctx.totals["dropped_stale"]
+    metrics["async/failed_episodes_total"] = ctx.totals["failed"]
+    metrics["async/env_error_episodes_total"] = ctx.queue.failed.get("env_error", 0)  # env faults, not the model's
+    if hasattr(ctx.queue, "dropped_group"):  # usable group members dropped with a failed mate
+        metrics["async/dropped_group_total"] = ctx.queue.dropped_group
+    metrics["train/actor_version"] = ctx.trainer.version
+    ctx.run.log(step, metrics)
+    if step % cfg.output.trajectories_every == 0:
+        ctx.run.write_trajectories(step, batch[: cfg.output.trajectories_per_dump], ctx.codec.decode)
+    ctx.progress.step(metrics)
+    if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+        evaluate(step)
+    if cfg.output.save_every and step % cfg.output.save_every == 0 and step < cfg.train.steps:  # final follows
+        ctx.save(f"step_{step:06d}")
+
+
+def next_batch(ctx, backend, step: int, version: int) -> tuple[list[Trajectory], float]:
     """Receive until B trainable trajectories within the lag bound are queued; never waits unboundedly."""
-    cfg, sched, queue = trainer.cfg, trainer.scheduler, trainer.queue
+    cfg, sched, queue = ctx.cfg, ctx.scheduler, ctx.queue
     t0 = last = time.perf_counter()
     while True:
         batch, dropped = queue.get_batch(cfg.train.batch_size, version, cfg.runtime.max_lag)
         sched.dropped(dropped, step, getattr(queue, "drop_reason", drop_reason))  # GroupQueue knows more
         if batch:
             return batch, time.perf_counter() - t0
-        check_stop(trainer)
+        check_stop(ctx)
         sched.fill(step - 1)
         if sched.handle(backend.receive(timeout=1.0), queue, step):
             last = time.perf_counter()
@@ -67,96 +88,77 @@ def next_batch(trainer, backend, step: int, version: int) -> tuple[list[Trajecto
                                f"{backend.workers} rollout worker(s); stopping")
 
 
-def async_perf(trainer, wait_s: float, wall: float, sync_ms: float) -> dict:
-    ws = trainer.scheduler.worker_totals()  # workers report their counters about once a second
+def async_perf(ctx, wait_s: float, wall: float, sync_ms: float) -> dict:
+    sched = ctx.scheduler
+    ws = sched.worker_totals()  # workers report their counters about once a second
     return {
         "async/trainer_wait_s": wait_s,
-        "async/trainer_idle_frac": trainer.totals["wait_s"] / wall,
+        "async/trainer_idle_frac": ctx.totals["wait_s"] / wall,
         "async/rollout_idle_frac": 1.0 - ws["busy_s"] / max(ws["wall_s"], 1e-9) if ws["wall_s"] else 0.0,
         "async/engine_version": float(ws["version"]),
-        "async/worker_restarts_total": float(trainer.scheduler.lost),
+        "async/worker_restarts_total": float(sched.lost),
         "rollout/hung_steps": float(ws["hung_steps"]),
         "rollout/engine_errors_total": float(ws["engine_errors"]),
-        "perf/tokens_per_s": ws["tokens"] / max(ws["wall_s"] / max(len(trainer.scheduler.stats), 1), 1e-9),
+        "perf/tokens_per_s": ws["tokens"] / max(ws["wall_s"] / max(len(sched.stats), 1), 1e-9),
         "perf/engine_tokens_per_s": ws["tokens"] / max(ws["busy_s"], 1e-9),
         "perf/weight_sync_ms": sync_ms,
         "perf/wall_s": wall,
     }
 
 
-def adaptive_threads(trainer, backend) -> AdaptiveThreads | None:
-    """The trainer takes the local workers' cores while none of them has an episode in flight."""
-    r = trainer.cfg.runtime
-    if not r.adaptive_threads or r.backend != "local":
-        return None
-    idle = r.trainer_threads + r.rollout_threads * r.rollout_workers
-    trainer.progress.log(f"adaptive threads: trainer {r.trainer_threads} ({idle} with no episode in flight), "
-                         f"workers {r.rollout_threads} each")  # under 80 columns: rich would wrap it mid-sentence
-    return AdaptiveThreads(trainer, backend, r.trainer_threads, idle)
-
-
-def run_async(trainer, backend) -> None:
-    """Take the next B finished trajectories, train, publish every `sync_every` actor steps."""
-    cfg, learner, sched = trainer.cfg, trainer.learner, trainer.scheduler
+def run_async(ctx, backend, evaluate) -> None:
+    """Take the next B finished trajectories, train, publish when pacing says so."""
+    cfg, trainer, sched, pacing = ctx.cfg, ctx.trainer, ctx.scheduler, ctx.pacing
     t_start, sync_ms = time.perf_counter(), 0.0
-    threads = adaptive_threads(trainer, backend)
-    learner.before_pass = threads
-    for step in range(trainer.step + 1, cfg.train.steps + 1):
-        check_stop(trainer)
-        version = learner.actor_version  # the policy this batch updates; lag is measured against it
-        batch, wait_s = next_batch(trainer, backend, step, version)
-        trainer.totals["wait_s"] += wait_s
+    threads = adaptive_threads(cfg.runtime, backend, ctx.progress.log)
+    if threads is not None:
+        trainer.before_pass = threads
+    for step in range(ctx.step + 1, cfg.train.steps + 1):
+        check_stop(ctx)
+        version = trainer.version  # the policy this batch updates; lag is measured against it
+        batch, wait_s = next_batch(ctx, backend, step, version)
+        ctx.totals["wait_s"] += wait_s
         if cfg.runtime.rollout_only:  # the rollout side alone: the batch is counted, not trained on
             metrics = {"reward/mean": sum(t.reward for t in batch) / len(batch)}
         else:
-            metrics = learner.step(collate(batch, trainer.codec.tokenizer.pad_token_id))
+            metrics = trainer.step(collate(batch, ctx.codec.tokenizer.pad_token_id))
         if threads is not None:
             metrics.update(threads.end_step())
         sched.trained(batch, step)
-        trainer.unpublished += 1
-        if learner.actor_version == version:  # critic warm-up: the policy did not change
-            sched.consumed += trainer.unpublished
-            trainer.unpublished = 0
-        elif learner.actor_version % cfg.runtime.sync_every == 0:
-            sync_ms = backend.publish(engine_parameters(trainer.actor), learner.actor_version)
-            sched.consumed += trainer.unpublished
-            trainer.unpublished = 0
+        if pacing.step_done(version, trainer.version):
+            sync_ms = backend.publish(trainer.export_weights(), trainer.version)
         sched.fill(step)  # keep the workers busy while this step is logged (and the next trains)
-        trainer.totals.update(dropped_stale=trainer.queue.dropped_stale, failed=sum(trainer.queue.failed.values()))
-        perf = async_perf(trainer, wait_s, time.perf_counter() - t_start, sync_ms)
-        trainer.after_step(step, batch, version, metrics, perf)
+        ctx.totals.update(dropped_stale=ctx.queue.dropped_stale, failed=sum(ctx.queue.failed.values()))
+        metrics.update(async_perf(ctx, wait_s, time.perf_counter() - t_start, sync_ms))
+        finish_step(ctx, step, batch, version, metrics, evaluate)
 
 
-def run_sync(trainer) -> None:
-    """Generate B episodes with the current weights, then train on them; no overlap. Each phase gets
-    the thread count that suits it (decoding is overhead-bound: 1 thread; training uses both cores)."""
-    from sao.engine.torch_engine import TorchEngine
-    from sao.runtime.train import usable_batch
-
-    cfg, learner = trainer.cfg, trainer.learner
-    engine = TorchEngine(trainer.actor, trainer.codec.tokenizer.pad_token_id, max_batch=cfg.rollout.concurrency,
-                         seed=cfg.train.seed + 1)
-    tasks = trainer.tasks
+def run_sync(ctx, evaluate) -> None:
+    """Generate B episodes with the current weights (a copy given them each step), then train on them;
+    no overlap. Each phase gets the threads that suit it (sao/runtime/threads.py)."""
+    cfg, trainer = ctx.cfg, ctx.trainer
+    pad_id = ctx.codec.tokenizer.pad_token_id
+    policy = ctx.policy_copy()
+    engine = policy.engine(pad_id, max_batch=cfg.rollout.concurrency, seed=cfg.train.seed + 1)
     t_start, gen_total, train_total = time.perf_counter(), 0.0, 0.0
-    for step in range(trainer.step + 1, cfg.train.steps + 1):
-        check_stop(trainer)
-        torch.set_num_threads(cfg.runtime.rollout_threads)
-        version = engine.version = learner.actor_version
-        trainer.actor.eval()  # generation runs without dropout; the learner switches back to train()
+    for step in range(ctx.step + 1, cfg.train.steps + 1):
+        check_stop(ctx)
+        ctx.threads.generate()
         t0 = time.perf_counter()
-        batch, failed = usable_batch(engine, trainer.environment, trainer.codec, tasks, trainer.limits,
-                                     cfg.train.batch_size, trainer_step=step - 1, queue=trainer.queue)
-        trainer.totals["failed"] += failed
+        policy.load(trainer.export_weights())
+        version = engine.version = trainer.version
+        batch, failed = usable_batch(engine, ctx.environment, ctx.codec, ctx.tasks, ctx.limits,
+                                     cfg.train.batch_size, trainer_step=step - 1, queue=ctx.queue)
+        ctx.totals["failed"] += failed
         gen_s = time.perf_counter() - t0
-        torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)  # nothing else runs now
-        trainer.actor.train()
+        ctx.threads.train_alone()
         t1 = time.perf_counter()
-        metrics = learner.step(collate(batch, trainer.codec.tokenizer.pad_token_id))
+        metrics = trainer.step(collate(batch, pad_id))
         train_s = time.perf_counter() - t1
         gen_total, train_total = gen_total + gen_s, train_total + train_s
-        extra = {"perf/gen_s": gen_s, "perf/train_s": train_s, "perf/gen_total_s": gen_total,
-                 "perf/train_total_s": train_total, "perf/wall_s": time.perf_counter() - t_start,
-                 "perf/tokens_per_s": sum(t.num_action_tokens for t in batch) / gen_s,
-                 "perf/weight_sync_ms": 0.0, "async/trainer_idle_frac": gen_total / (gen_total + train_total),
-                 "async/rollout_idle_frac": train_total / (gen_total + train_total)}
-        trainer.after_step(step, batch, version, metrics, extra)
+        metrics.update({"perf/gen_s": gen_s, "perf/train_s": train_s, "perf/gen_total_s": gen_total,
+                        "perf/train_total_s": train_total, "perf/wall_s": time.perf_counter() - t_start,
+                        "perf/tokens_per_s": sum(t.num_action_tokens for t in batch) / gen_s,
+                        "perf/weight_sync_ms": 0.0, "async/trainer_idle_frac": gen_total / (gen_total + train_total),
+                        "async/rollout_idle_frac": train_total / (gen_total + train_total)})
+        finish_step(ctx, step, batch, version, metrics, evaluate)

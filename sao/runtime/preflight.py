@@ -66,8 +66,9 @@ def check_engine(cfg: Config) -> None:
     import torch
 
     e = cfg.engine
-    if e.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("engine.device: cuda requested but no CUDA device is visible (use auto or cpu)")
+    for key, device in (("engine.device", e.device), ("trainer.device", cfg.trainer.device)):
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"{key}: cuda requested but no CUDA device is visible (use auto or cpu)")
     if e.name != "vllm":
         return
     head_dim = cfg.model.hidden_size // cfg.model.num_heads

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from sao.config import Config, ConfigError
-from sao.engine.torch_engine import TorchEngine
+from sao.engine import make_engine
 from sao.models.chat import ChatCodec
 from sao.models.critic import build_critic, freeze_parameters, load_critic
 from sao.models.lora import with_lora
 from sao.models.tiny import load_model
 from sao.models.tokenizer import load_tokenizer
+from sao.runtime.episodes import limits_of, usable_batch
 from sao.runtime.model_setup import prepare_base_model
 from sao.runtime.preflight import preflight
-from sao.runtime.train import limits_of, usable_batch
+from sao.runtime.threads import ThreadPlan
 from sao.trainer.batch import collate
 from sao.trainer.critic_pretrain import fit_critic
 
@@ -37,13 +36,16 @@ def pretrain_critic(cfg: Config, steps: int, out: Path, progress=None) -> dict:
     critic = with_lora(critic, cfg.critic.lora, value_head=True)
     if cfg.critic.freeze_attention:
         freeze_parameters(critic, cfg.critic.freeze_pattern)
-    engine = TorchEngine(actor, codec.tokenizer.pad_token_id, max_batch=cfg.rollout.concurrency, seed=cfg.train.seed)
+    engine = make_engine(cfg.engine.model_copy(update={"name": "torch"}), model_path, pad_id=codec.tokenizer.pad_token_id,
+                         max_batch=cfg.rollout.concurrency, seed=cfg.train.seed, model=actor)
     tasks, limits = environment.train_tasks(), limits_of(cfg)
 
+    threads = ThreadPlan(cfg.runtime)
+
     def next_batch():
-        torch.set_num_threads(cfg.runtime.rollout_threads)
+        threads.generate()
         trajs, _ = usable_batch(engine, environment, codec, tasks, limits, cfg.train.batch_size)
-        torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)
+        threads.train_alone()
         return collate(trajs, codec.tokenizer.pad_token_id)
 
     def on_step(step: int, m: dict) -> None:

@@ -49,6 +49,27 @@ class TrajectoryQueue:
         return (batch if len(batch) == batch_size else []), dropped
 
 
+    def state_dict(self) -> dict:
+        return queue_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_queue_state(self, state)
+
+
+def queue_state(queue) -> dict:
+    """Finished, untrained trajectories (a resume trains them) and the drop counters, of either queue."""
+    return {"queued": [t.to_json() for t in queue.items()], "dropped_stale": queue.dropped_stale,
+            "failed": dict(queue.failed), "dropped_group": getattr(queue, "dropped_group", 0)}
+
+
+def load_queue_state(queue, state: dict) -> None:
+    for line in state["queued"]:
+        queue.put(Trajectory.from_json(line))
+    queue.dropped_stale, queue.failed = state["dropped_stale"], dict(state["failed"])
+    if hasattr(queue, "dropped_group"):
+        queue.dropped_group = state.get("dropped_group", 0)
+
+
 def drop_reason(traj: Trajectory) -> str:
     """Why `get_batch` dropped it (the audit's vocabulary)."""
     if traj.status not in TRAINABLE:

@@ -111,7 +111,6 @@ class RayBackend:
         self.runs: list = []  # the `run` call of each actor: ready means the actor ended or died
         self.weights_ref = None
         self.version = -1
-        self.restarts = 0
         self.start_s = 0.0  # ray.init + actors created (measured, reported by benchmarks/scale_out.py)
 
     def _init(self) -> None:
@@ -159,7 +158,6 @@ class RayBackend:
             lines = [x for x in str(exc).splitlines() if x.strip()]
             reason = f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]
         ray.kill(self.actors[i])
-        self.restarts += 1
         self.specs[i] = reseed(self.specs[i])
         self.actors[i], self.runs[i] = self._actor(self.specs[i])
         return WorkerLost(i, f"rollout worker {i} ended ({reason}); restarted")

@@ -94,6 +94,13 @@ class RunDir:
             raise write_failure(path / "config.yaml", exc) from None
         return cls(path, cfg)
 
+    def state_dict(self) -> dict:
+        return {"metrics_lines": count_lines(self.path / "metrics.jsonl")}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Back to the checkpoint's rows: steps that ran after it are trained again, not recorded twice."""
+        truncate_lines(self.path / "metrics.jsonl", state["metrics_lines"])
+
     # -- metrics ----------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": time.time()}
@@ -138,6 +145,18 @@ class RunDir:
             tmp.unlink(missing_ok=True)
             raise write_failure(self.path / name, exc) from None
         tmp.rename(self.path / name)
+
+
+def count_lines(path: Path) -> int:
+    return sum(1 for _ in open(path)) if path.exists() else 0
+
+
+def truncate_lines(path: Path, n: int) -> None:
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    if len(lines) > n:
+        path.write_text("".join(lines[:n]))
 
 
 def append_line(path: Path, line: str) -> None:

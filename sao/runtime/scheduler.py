@@ -1,13 +1,7 @@
 """Who runs what, on the trainer side of any backend: the task stream, pacing, re-issue, the audit.
 
-The trainer issues every episode as an `Assignment` with a run-unique id. Pacing (docs/algorithm.md §6) is one
-global counter: at most `(batches_consumed + ahead + 1) * B` episodes are in play (issued and not
-yet dropped), where a batch counts as consumed once the weights that follow it are published, and
-`ahead` (runtime.issue_ahead, at most max_lag) is how many batches the rollout side may run ahead.
-When the trainer is the bottleneck every batch is `ahead` versions stale (docs/performance.md §6).
-This bounds the work in flight, not the lag of each episode: episodes finish out of order, so a
-long one can still end up more than `max_lag` versions old; the drop at dequeue
-(sao/runtime/queue.py) enforces the bound on what is trained, and counts what it drops.
+The trainer issues every episode as an `Assignment` with a run-unique id, within the room that pacing
+(sao/runtime/pacing.py) leaves, to the least-loaded worker; a lost worker's episodes are issued again.
 
 Every id's life is written to RUN/audit.jsonl: issued (again after its worker died), finished,
 then trained or dropped (with the reason), so a run can be checked for lost or doubled work. At
@@ -22,7 +16,8 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
-from sao.runtime.run_dir import append_line
+from sao.runtime.pacing import Pacing
+from sao.runtime.run_dir import append_line, count_lines, truncate_lines
 from sao.types import Assignment, Finished, Record, Status, Task, Trajectory, WorkerLost, WorkerStats
 
 ENGINE_RERUNS = 3  # an episode the engine failed is run again this many times before it counts as failed
@@ -50,6 +45,13 @@ class TaskStream:
     def __iter__(self) -> TaskStream:
         return self
 
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        for _ in range(state["cursor"] - self.cursor):  # tasks are drawn again in the same order
+            self.next()
+
 
 class Audit:
     """RUN/audit.jsonl, one whole line per event (sao/runtime/run_dir.py append_line: a killed run or a
@@ -70,31 +72,23 @@ class Audit:
         """A run-level event with no episode id (a resume)."""
         append_line(self.path, json.dumps({"event": event, "step": step, **extra}) + "\n")
 
-    def lines(self) -> int:
-        return sum(1 for _ in open(self.path)) if self.path.exists() else 0
+    def state_dict(self) -> dict:
+        return {"audit_lines": count_lines(self.path)}
+
+    def load_state_dict(self, state: dict) -> None:
+        truncate_lines(self.path, state["audit_lines"])
 
 
 class Scheduler:
-    def __init__(self, backend, tasks: TaskStream, audit: Audit, batch_size: int, max_lag: int,
-                 state: dict | None = None, ahead: int | None = None):
-        self.backend, self.tasks, self.audit = backend, tasks, audit
-        self.batch_size, self.max_lag = batch_size, max_lag
-        self.ahead = max_lag if ahead is None else min(ahead, max_lag)
-        state = state or {}
-        self.issued = state.get("issued", 0)  # fresh assignments ever issued (re-issues not counted)
-        self.consumed = state.get("consumed", 0)  # batches whose following weights are published
-        self.refunded = state.get("refunded", 0)  # assignments dropped: their replacements may start
-        self.retry: deque[Assignment] = deque(Assignment(a["id"], Task(**a["task"]), a["trainer_step"])
-                                              for a in state.get("pending", []))
+    def __init__(self, backend, tasks: TaskStream, audit: Audit, pacing: Pacing):
+        self.backend, self.tasks, self.audit, self.pacing = backend, tasks, audit, pacing
+        self.retry: deque[Assignment] = deque()  # lost or not yet re-issued after a resume
         self.outstanding: dict[str, tuple[int, Assignment]] = {}  # id -> (worker, assignment)
         self.stats: dict[int, WorkerStats] = {}
         self.lost = 0
         self.engine_reruns: dict[str, int] = {}
         self.cold: set[int] = set()  # restarted workers that have not reported yet (they load for seconds)
         self.start_failures: dict[int, int] = {}
-
-    def room(self) -> int:
-        return (self.consumed + self.ahead + 1) * self.batch_size - (self.issued - self.refunded)
 
     def fill(self, step: int) -> None:
         """Issue re-runs first, then fresh tasks while pacing allows; to the least-loaded worker, preferring
@@ -103,12 +97,12 @@ class Scheduler:
         load = [0] * self.backend.workers
         for w, _ in self.outstanding.values():
             load[w] += 1
-        while self.retry or self.room() > 0:
+        while self.retry or self.pacing.room() > 0:
             if self.retry:
                 item = self.retry.popleft()
             else:
-                item = Assignment(f"e{self.issued:07d}", self.tasks.next(), step)
-                self.issued += 1
+                item = Assignment(f"e{self.pacing.issued:07d}", self.tasks.next(), step)
+                self.pacing.issued += 1
             w = min(range(len(load)), key=lambda i: (i in self.cold, load[i]))  # warm, least loaded
             load[w] += 1
             self.outstanding[item.id] = (w, item)
@@ -157,7 +151,7 @@ class Scheduler:
         self.audit.write("trained", batch, step)
 
     def dropped(self, trajs: list[Trajectory], step: int, reason_of) -> None:
-        self.refunded += len(trajs)
+        self.pacing.refunded += len(trajs)
         for t in trajs:
             self.audit.write("dropped", [t], step, reason=reason_of(t))
 
@@ -165,13 +159,14 @@ class Scheduler:
         """Issued and unfinished: waiting to be re-issued, or out on a worker."""
         return list(self.retry) + sorted((a for _, a in self.outstanding.values()), key=lambda a: a.id)
 
-    def state(self, queued: list[Trajectory]) -> dict:
-        """What a resume needs: counters, and every issued-but-untrained episode (unfinished ones are
-        run again; finished ones come back into the queue, see sao/runtime/checkpoint.py)."""
-        pending = self.pending()
-        return {"issued": self.issued, "consumed": self.consumed, "refunded": self.refunded,
-                "cursor": self.tasks.cursor,
-                "pending": [{"id": a.id, "task": a.task.__dict__, "trainer_step": a.trainer_step} for a in pending]}
+    def state_dict(self) -> dict:
+        """Every issued-but-unfinished episode: a resume runs them again (finished, untrained ones travel
+        with the queue's state). Pacing and the task cursor have their own."""
+        return {"pending": [{"id": a.id, "task": a.task.__dict__, "trainer_step": a.trainer_step}
+                            for a in self.pending()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.retry.extend(Assignment(a["id"], Task(**a["task"]), a["trainer_step"]) for a in state.get("pending", []))
 
     def worker_totals(self) -> dict[str, float]:
         s = list(self.stats.values())

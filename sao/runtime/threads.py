@@ -1,31 +1,84 @@
-"""Trainer threads that follow what the rollout side is doing (docs/performance.md).
+"""Thread counts and the OpenMP wait policy of every phase, decided here and nowhere else
+(docs/performance.md).
 
 On a few cores, decoding a small model is overhead-bound (one thread decodes as fast as two) while
-training nearly doubles with a second thread. A fixed one-plus-one pin leaves a core idle whenever
-the rollout side is paced (the usual state of a trainer-bound run), so:
+training nearly doubles with a second thread. So:
 
-    episodes in flight on local workers  ->  the trainer uses runtime.trainer_threads
-    none in flight                       ->  it also takes the workers' threads (every core)
+    phase                       torch intra-op threads
+    setup (SFT, building)       trainer_threads + rollout_threads   nothing else runs yet
+    sync: generate              rollout_threads                     decoding
+    sync: train                 trainer_threads + rollout_threads   nothing else runs
+    async: train                trainer_threads, or every core while no local worker has an episode in
+                                flight (`AdaptiveThreads`; it reads the workers' shared counters, never
+                                receives)
+    evaluate                    max(trainer_threads, rollout_threads)
+    rollout worker              rollout_threads                     (sao/runtime/worker_host.py)
 
-The trainer-side scheduler issues every episode, so "in flight" is exact: between its model passes
-the learner calls this policy, which drains what the backend has delivered (non-blocking) and sets
-the thread count. While a step trains, nothing new is issued (pacing room only grows when a step
-publishes), so an idle rollout side stays idle until the step ends.
+OpenMP wait policy: GNU OpenMP threads spin ~300k iterations after a parallel region by default. That
+is fastest when nothing else wants the core, and it takes CPU from the rollout workers when the
+trainer shares cores with them. `wait_policy` picks PASSIVE only for async runs (trainer and workers
+share the machine) and leaves OpenMP's default (active spinning) elsewhere: `--sync`, `sao sft`, eval.
+It is read once, when torch loads OpenMP, so `set_wait_policy` runs before torch is imported; a user's
+own OMP_WAIT_POLICY always wins.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
-import torch
+from sao.config import RuntimeConfig
+
+
+def _set(n: int) -> None:
+    import torch  # here, not at the top: set_wait_policy must run before torch is first imported
+
+    torch.set_num_threads(n)
+
+
+def wait_policy(mode: str) -> str | None:
+    """PASSIVE where the trainer shares cores with rollout work (async), else None (OpenMP's default)."""
+    return "PASSIVE" if mode == "async" else None
+
+
+def set_wait_policy(mode: str) -> None:
+    policy = wait_policy(mode)
+    if policy is not None:
+        os.environ.setdefault("OMP_WAIT_POLICY", policy)
+
+
+class ThreadPlan:
+    def __init__(self, r: RuntimeConfig):
+        self.trainer, self.rollout = r.trainer_threads, r.rollout_threads
+        self.all = r.trainer_threads + r.rollout_threads
+
+    def setup(self) -> None:
+        _set(self.all)
+
+    def generate(self) -> None:
+        _set(self.rollout)
+
+    def train_alone(self) -> None:
+        """Training while nothing else runs (sync mode, critic pretraining)."""
+        _set(self.all)
+
+    def train(self) -> None:
+        """Training beside the rollout workers (async)."""
+        _set(self.trainer)
+
+    def evaluate(self) -> None:
+        _set(max(self.trainer, self.rollout))
 
 
 class AdaptiveThreads:
-    """`policy()` before each pass; `metrics()` once per step (threads used, share of time at max)."""
+    """Called before each model pass of an async step: the trainer takes the local workers' cores while
+    none of them has an episode in flight (they are paced or idle), and its own threads while one does.
+    `end_step()` once per step: back to the trainer's own threads, and the share of time at max."""
 
-    def __init__(self, trainer, backend, own: int, idle: int):
-        self.trainer, self.backend = trainer, backend
-        self.own, self.idle = own, idle
+    def __init__(self, backend, own: int, idle: int):
+        import torch
+
+        self.backend, self.own, self.idle = backend, own, idle
         self.current = torch.get_num_threads()
         self.since = time.perf_counter()
         self.time_at = {own: 0.0, idle: 0.0}
@@ -35,18 +88,25 @@ class AdaptiveThreads:
         self.time_at[self.current] = self.time_at.get(self.current, 0.0) + now - self.since
         self.since = now
         if n != self.current:
-            torch.set_num_threads(n)
+            _set(n)
             self.current = n
 
     def __call__(self) -> None:
-        sched = self.trainer.scheduler
-        sched.handle(self.backend.receive(timeout=0), self.trainer.queue, self.trainer.step + 1)
-        self._set(self.own if sched.outstanding else self.idle)
+        self._set(self.own if self.backend.in_flight() else self.idle)
 
     def end_step(self) -> dict[str, float]:
-        """Back to the trainer's own threads (receiving and logging need no more); the step's figures."""
         self._set(self.own)
         total = sum(self.time_at.values()) or 1.0
         out = {"perf/trainer_all_cores_frac": self.time_at.get(self.idle, 0.0) / total}
         self.time_at = {self.own: 0.0, self.idle: 0.0}
         return out
+
+
+def adaptive_threads(r: RuntimeConfig, backend, log) -> AdaptiveThreads | None:
+    """The policy for a backend whose workers share this machine's cores and report what is in flight."""
+    if not r.adaptive_threads or not callable(getattr(backend, "in_flight", None)):
+        return None
+    idle = r.trainer_threads + r.rollout_threads * r.rollout_workers
+    log(f"adaptive threads: trainer {r.trainer_threads} ({idle} with no episode in flight), "
+        f"workers {r.rollout_threads} each")  # under 80 columns: rich would wrap it mid-sentence
+    return AdaptiveThreads(backend, r.trainer_threads, idle)

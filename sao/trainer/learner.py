@@ -1,5 +1,9 @@
 """`Learner.step(batch)`: one SAO optimizer step (docs/algorithm.md §5 order), synchronous and queue-free.
 
+The one-process side of the trainer seam (sao/trainer/protocol.py): the runtime calls `step`,
+`export_weights`, `state_dict`/`load_state_dict` and `save_pretrained`, and reads `version`; it never
+reaches into the models or optimizers.
+
     step 1  v0 = critic(batch), no grad; returns R from lambda=1 skip-observation GAE on v0
     step 2  K critic steps on MSE(V, R)                          (faster value update, K=2)
     step 3  v2 = critic(batch), no grad; advantages from lambda_policy GAE on v2; whiten
@@ -70,8 +74,8 @@ class Learner:
         self.skipped_total = 0  # optimizer updates skipped for a non-finite loss or gradient
         self.consecutive_skipped = 0  # steps in a row with a skipped update
         self.skipped_in_step = 0
-        # called before each model pass: the async loop sets threads by what the rollout side is
-        # doing (sao/runtime/threads.py); None in sync mode
+        # called before each model pass: the async loop sets the thread count by what the rollout side
+        # is doing (sao/runtime/threads.py); it only reads a counter, never receives. None in sync mode
         self.before_pass: Callable[[], None] | None = None
         if algo.uses_critic:
             if critic is None:
@@ -278,3 +282,52 @@ class Learner:
         metrics["actor/grad_norm"] = float("nan") if gn is None else gn
         metrics["applied"] = float(gn is not None)
         return metrics
+
+    # --- the trainer seam (sao/trainer/protocol.py) ---------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The policy version: actor optimizer steps taken (what engines and tokens are stamped with)."""
+        return self.actor_version
+
+    def export_weights(self) -> list[torch.Tensor]:
+        """Full actor weights in the engines' parameter order (merged for a LoRA actor)."""
+        from sao.models.lora import engine_parameters
+
+        return engine_parameters(self.actor)
+
+    def state_dict(self) -> dict:
+        """Everything a resume needs besides the weights (those travel as HF folders, `save_pretrained`)."""
+        return {
+            "actor_version": self.actor_version, "critic_version": self.critic_version,
+            "steps_done": self.steps_done, "guard": self.guard_state(),
+            "actor_opt": self.actor_opt.state_dict(),
+            "critic_opt": self.critic_opt.state_dict() if self.critic_opt is not None else None,
+            "running_mean": self.running_mean.state_dict() if self.running_mean is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.actor_version, self.critic_version = state["actor_version"], state["critic_version"]
+        self.steps_done = state["steps_done"]
+        self.load_guard_state(state.get("guard", {}))
+        self.actor_opt.load_state_dict(state["actor_opt"])
+        if self.critic_opt is not None and state["critic_opt"] is not None:
+            self.critic_opt.load_state_dict(state["critic_opt"])
+        if self.running_mean is not None and state["running_mean"]:
+            self.running_mean.load_state_dict(state["running_mean"])
+
+    def save_pretrained(self, folder, tokenizer, merged: bool = False) -> None:
+        """HF folders: actor/ (a LoRA actor writes its adapter; `merged` adds actor_merged/), critic/."""
+        from pathlib import Path
+
+        from sao.models.lora import is_peft, save_merged_model
+
+        folder = Path(folder)
+        self.actor.save_pretrained(folder / "actor")
+        tokenizer.save_pretrained(folder / "actor")
+        if merged and is_peft(self.actor):
+            save_merged_model(self.actor, folder / "actor_merged")
+            tokenizer.save_pretrained(folder / "actor_merged")
+        if self.critic is not None:
+            self.critic.save_pretrained(folder / "critic")
+            tokenizer.save_pretrained(folder / "critic")

@@ -1,0 +1,171 @@
+"""The run context: everything one run is built from, built once (step 1 of sao/runtime/train.py).
+
+    build(cfg, environment, progress, resume)
+        run directory (new, or the one resumed), starting policy (cached SFT warm start), trainer
+        (actor and critic on trainer.device, behind the seam of sao/trainer/protocol.py), queue, task
+        stream, pacing, audit; with --resume, each part's state from the latest checkpoint
+
+Each part saves and restores its own state (`state_dict`/`load_state_dict`); `RunContext.state_dict`
+only gathers them for sao/runtime/checkpoint.py, which writes and reads the files.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sao.algo.registry import get_algorithm
+from sao.config import Config, ConfigError
+from sao.device import resolve_device, resolve_dtype
+from sao.models.chat import ChatCodec
+from sao.models.critic import build_critic, load_critic
+from sao.models.lora import adapter_base, load_lora_critic, resume_lora, with_lora
+from sao.models.tiny import load_model
+from sao.models.tokenizer import load_tokenizer
+from sao.rollout.agent_loop import EpisodeLimits
+from sao.runtime import checkpoint
+from sao.runtime.episodes import PolicyCopy, limits_of
+from sao.runtime.groups import make_queue, task_stream
+from sao.runtime.model_setup import prepare_base_model
+from sao.runtime.pacing import Pacing, batches_ahead
+from sao.runtime.parity import LiveParity
+from sao.runtime.progress import RunProgress
+from sao.runtime.run_dir import RunDir
+from sao.runtime.scheduler import Audit, Scheduler, TaskStream
+from sao.runtime.threads import ThreadPlan
+from sao.trainer.learner import Learner
+
+
+@dataclass
+class RunContext:
+    cfg: Config
+    progress: RunProgress
+    environment: object
+    limits: EpisodeLimits
+    run: RunDir
+    model_path: Path  # the starting policy's folder (engines load it, then receive the trainer's weights)
+    codec: ChatCodec
+    trainer: Learner  # the seam: step, export_weights, state_dict, save_pretrained, version
+    queue: object  # TrajectoryQueue, or GroupQueue for group algorithms (sao/runtime/groups.py)
+    tasks: TaskStream
+    pacing: Pacing
+    audit: Audit | None  # async runs: every episode's life (sao/runtime/scheduler.py)
+    threads: ThreadPlan
+    live_parity: LiveParity
+    step: int = 0
+    totals: dict = field(default_factory=lambda: {"dropped_stale": 0, "failed": 0, "wait_s": 0.0, "checkpoint_s": 0.0})
+    setup: dict = field(default_factory=dict)  # summary.json: what the first run paid (SFT)
+    scheduler: Scheduler | None = None  # async runs, once the backend is up
+    pending: dict = field(default_factory=dict)  # a resumed scheduler's unfinished episodes
+    resumed_from: str | None = None  # that checkpoint's actor/ is model_path: never pruned
+    _policy: PolicyCopy | None = None
+    stop_requested: str = ""  # the signal's name once Ctrl-C or SIGTERM arrived (sao/runtime/signals.py)
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step, "totals": dict(self.totals),
+            "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+            "trainer": self.trainer.state_dict(), "pacing": self.pacing.state_dict(),
+            "tasks": self.tasks.state_dict(), "queue": self.queue.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else self.pending,
+            "run": self.run.state_dict(), "audit": self.audit.state_dict() if self.audit is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.totals.update(state["totals"])
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.trainer.load_state_dict(state["trainer"])
+        self.pacing.load_state_dict(state["pacing"])
+        self.tasks.load_state_dict(state["tasks"])
+        self.queue.load_state_dict(state["queue"])
+        self.pending = state["scheduler"]
+        self.run.load_state_dict(state["run"])
+        if self.audit is not None and state["audit"] is not None:
+            self.audit.load_state_dict(state["audit"])
+
+    def save(self, tag: str) -> Path:
+        t0 = time.perf_counter()
+        path = checkpoint.save(self.run.path, tag, self.state_dict(), self._write_models, self.cfg.output.keep_checkpoints,
+                               protect=self.resumed_from)
+        self.totals["checkpoint_s"] += time.perf_counter() - t0  # in summary.json: what checkpoints cost the run
+        return path
+
+    def _write_models(self, folder: Path) -> None:
+        self.trainer.save_pretrained(folder, self.codec.tokenizer, merged=self.cfg.model.lora.save_merged)
+
+    def save_at_exit(self, tag: str) -> Path:
+        """The last checkpoint; the audit says which episodes it carries over, so they are not taken for lost."""
+        if self.audit is not None and self.scheduler is not None:
+            self.audit.write("unfinished_at_exit", self.scheduler.pending(), self.step, checkpoint=tag)
+            self.audit.write("queued_at_exit", self.queue.items(), self.step, checkpoint=tag)
+        return self.save(tag)
+
+    def policy_copy(self) -> PolicyCopy:
+        """The one engine-side copy of the policy this process keeps (parity gate, evaluation, sync
+        generation; sao/runtime/episodes.py)."""
+        if self._policy is None:
+            self._policy = PolicyCopy(self.cfg, self.model_path)
+        return self._policy
+
+    def start_scheduler(self, backend) -> Scheduler:
+        self.scheduler = Scheduler(backend, self.tasks, self.audit, self.pacing)
+        self.scheduler.load_state_dict(self.pending)
+        return self.scheduler
+
+
+def build(cfg: Config, environment, progress: RunProgress, resume: Path | None = None) -> RunContext:
+    """Step 1. `environment` is what preflight (sao/runtime/preflight.py) returned for this config."""
+    ckpt = checkpoint.latest(resume) if resume is not None else None
+    setup = {}
+    if ckpt is not None:
+        # a LoRA run saved adapters: engines and the actor start from the base model they sit on
+        model_path = Path(adapter_base(ckpt / "actor") or ckpt / "actor")
+        if not (model_path / "config.json").is_file():
+            raise ConfigError(f"--resume: {ckpt / 'actor'} is an adapter on {model_path}, which is gone")
+        run = RunDir(resume, cfg)
+    else:
+        run = RunDir.create(cfg)
+        t0 = time.perf_counter()
+        model_path, built = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps))
+        setup = {"sft_built": built, "sft_s": time.perf_counter() - t0}
+    codec = ChatCodec(load_tokenizer(model_path))
+    algo = get_algorithm(cfg.algo.name)
+    ctx = RunContext(cfg, progress, environment, limits_of(cfg), run, model_path, codec,
+                     build_trainer(cfg, model_path, ckpt), make_queue(algo, cfg),
+                     TaskStream(task_stream(environment, algo, cfg)),
+                     Pacing(cfg.train.batch_size, batches_ahead(cfg.runtime), cfg.runtime.sync_every),
+                     Audit(run.path / "audit.jsonl") if cfg.runtime.mode == "async" else None,
+                     ThreadPlan(cfg.runtime), LiveParity(cfg), setup=setup)
+    if ckpt is not None:
+        ctx.resumed_from = ckpt.name
+        ctx.load_state_dict(checkpoint.load(ckpt))
+        if ctx.audit is not None:
+            ctx.audit.note("resumed", ctx.step, checkpoint=ckpt.name)
+    return ctx
+
+
+def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None) -> Learner:
+    """Actor (LoRA when model.lora.r > 0) and, for critic algorithms, the critic (critic.path, a
+    checkpoint's, or one built from the policy), on trainer.device; weights from `ckpt` when resuming."""
+    algo = get_algorithm(cfg.algo.name)
+    device, dtype = resolve_device(cfg.trainer.device), resolve_dtype(cfg.engine.dtype)
+    actor = load_model(model_path).to(device)
+    if ckpt is not None and adapter_base(ckpt / "actor"):
+        actor = resume_lora(actor, ckpt / "actor")
+    else:
+        actor = with_lora(actor, cfg.model.lora)  # lora.r=0: the model itself
+    critic = None
+    if algo.uses_critic:
+        critic_path = ckpt / "critic" if ckpt is not None else cfg.critic.path
+        if critic_path and adapter_base(critic_path):  # a LoRA critic's adapter (a checkpoint, or pretrained)
+            critic = load_lora_critic(critic_path, device)
+        else:
+            critic = load_critic(critic_path) if critic_path else build_critic(model_path)
+            critic = with_lora(critic.to(device), cfg.critic.lora, value_head=True)
+    return Learner(actor, critic, algo, cfg.algo, cfg.critic, cfg.train, dtype=dtype)

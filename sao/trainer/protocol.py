@@ -1,0 +1,36 @@
+"""The trainer seam: what the runtime (sao/runtime/) may ask of a trainer, and nothing more.
+
+    step(batch) -> metrics          one optimizer step on B finished trajectories (docs/algorithm.md §5)
+    export_weights() -> tensors     full actor weights in the engines' parameter order, for publishing
+    state_dict() / load_state_dict  optimizer states and counters, for checkpoints (weights travel as
+                                    HF folders through save_pretrained)
+    version                         the policy version (actor optimizer steps) engines and tokens carry
+
+The one-process implementation is `sao.trainer.learner.Learner`. The runtime never reaches into a
+trainer's models or optimizers, so a sharded implementation (FSDP2 ranks, docs/architecture.md)
+plugs in behind the same calls and the loop is the same at 1 and N ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from sao.trainer.batch import Batch
+
+
+class Trainer(Protocol):
+    @property
+    def version(self) -> int: ...
+
+    def step(self, batch: Batch) -> dict[str, float]: ...
+
+    def export_weights(self) -> list[torch.Tensor]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def save_pretrained(self, folder: Path, tokenizer, merged: bool = False) -> None: ...
