@@ -1,4 +1,20 @@
+"""What the whole suite shares: tiny-run settings, one SFT cache per test session, an in-process CLI,
+the real Ray cluster, and the lanes.
+
+Lanes (markers declared in pyproject.toml):
+    pytest -q                      the full suite (what CI and the README run)
+    pytest -q -m "not slow"        the fast lane, before each commit: no end-to-end `sao train`
+                                   subprocesses, no vLLM server, no Ray cluster, no SmolLM2
+    pytest -q -m slow              only the slow ones
+`slow` covers everything that is `ray`, `vllm` or `smollm2` too (added below), so each external
+dependency can also be selected or left out on its own (e.g. -m "not vllm").
+"""
+
 import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -6,6 +22,58 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(1)
+
+# One SFT cache for the session: every end-to-end run with the same tiny config reuses one SFT model
+# (sao/runtime/model_setup.py keys entries by config, so different configs never collide). Tests about
+# the cache itself (tests/test_first_hour.py) use folders of their own.
+SFT_CACHE = Path(tempfile.mkdtemp(prefix="sao-test-sft-"))
+
+# The tiny run every end-to-end test starts from; a test appends what it is about (later keys win).
+TINY = [
+    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
+    "sft.steps=20", "sft.batch_size=8", "train.steps=4", "train.batch_size=4", "critic.warmup_steps=1",
+    "rollout.concurrency=8", "rollout.max_turns=2", "rollout.max_action_tokens=12", "runtime.max_lag=1",
+    "eval.num_tasks=4", "eval.every=0", "output.root=runs", f"model.cache_dir={SFT_CACHE}",
+]
+
+EXTERNAL = ("ray", "vllm", "smollm2")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(item.get_closest_marker(m) for m in EXTERNAL):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_sessionfinish(session):
+    shutil.rmtree(SFT_CACHE, ignore_errors=True)
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture()
+def sao_cli(capsys, monkeypatch):
+    """`sao ARGS` in this process (for refusals: no interpreter start-up, no imports paid again). The
+    exit code is main()'s; an exception it lets through fails the test, as a traceback would."""
+    from sao.cli import main
+
+    def run(*args: str, cwd: Path) -> CliResult:
+        monkeypatch.chdir(cwd)
+        monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", ""))  # restored after the test
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's own usage errors
+            code = exc.code
+        out = capsys.readouterr()
+        return CliResult(code, out.out, out.err)
+
+    return run
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +113,5 @@ def pytest_terminal_summary(terminalreporter):
     if skipped:
         reason = skipped[0].longrepr[2] if isinstance(skipped[0].longrepr, tuple) else ""
         terminalreporter.write_line(f"vllm: {len(skipped)} real-vLLM tests skipped: {reason}")
+
+

@@ -14,17 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TINY as BASE
 
 import sao
 from sao.config import value_sources
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
-    "sft.steps=20", "sft.batch_size=8", "train.steps=3", "train.batch_size=4", "critic.warmup_steps=1",
-    "rollout.concurrency=8", "rollout.max_turns=1", "rollout.max_action_tokens=12", "runtime.max_lag=1",
-    "eval.num_tasks=4", "eval.every=0", "output.root=runs", "model.cache_dir=cache", "output.name=api",
-]
+
+TINY = [*BASE, "train.steps=3", "rollout.max_turns=1", "output.name=api"]
 
 
 def test_api_validates_like_the_cli(tmp_path):

@@ -3,8 +3,6 @@ with ratios away from 1, the prompt-keyed running mean, step-level GAE, whole-gr
 the combinations preflight refuses."""
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -183,9 +181,8 @@ def test_grpo_learner_needs_whole_groups(tiny):
     (["algo.name=grpo", "algo.group_size=1"], "algo.group_size: Input should be greater than or equal to 2"),
     (["algo.name=vapo", "train.batch_size=6"], "train.batch_size: 6 is not a multiple of algo.ppo_minibatches=4"),
 ])
-def test_invalid_combinations_are_refused_with_one_line(tmp_path, overrides, needle):
-    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *overrides, "output.root=runs"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+def test_invalid_combinations_are_refused_with_one_line(tmp_path, sao_cli, overrides, needle):
+    proc = sao_cli("train", *overrides, "output.root=runs", cwd=tmp_path)
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from sao.bench.analysis import accuracy_at, collapse, recovery, time_to_target
@@ -95,6 +96,7 @@ def test_bad_experiment_is_refused_with_one_line(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_wallclock_quick_preset_writes_every_file(tmp_path, monkeypatch):
     proc = _sao("bench", "wallclock", "--quick", "--out", "out", "model.cache_dir=cache", cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

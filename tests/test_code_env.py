@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import TINY as BASE
 
 from sao.envs.base import make_environment
 from sao.envs.code_env import CodeEnvironment, CodeOptions, describe, parse_action
@@ -21,12 +22,8 @@ run_tests = get_sandbox().run
 
 
 # From tests/test_smoke_train.py, with room for a code block in an action (64 tokens, not 12).
-TINY = [
-    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
-    "sft.steps=20", "sft.batch_size=8", "train.steps=2", "train.batch_size=4", "critic.warmup_steps=1",
-    "rollout.concurrency=8", "rollout.max_turns=2", "runtime.max_lag=1",
-    "eval.num_tasks=8", "eval.every=0", "output.root=runs", "model.cache_dir=cache",
-]
+
+TINY = [*(k for k in BASE if not k.startswith("rollout.max_action_tokens")), "train.steps=2", "eval.num_tasks=8"]
 
 
 def _env(**options) -> CodeEnvironment:

@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import random
-import subprocess
 import sys
 
 import pytest
@@ -217,11 +216,10 @@ def test_reasoning_gym_source_uses_its_own_scorer():
             make_environment(MATH, {**opts, **bad}, seed=0)
 
 
-def test_cli_reports_a_bad_field_with_exit_code_2(tmp_path):
+def test_cli_reports_a_bad_field_with_exit_code_2(tmp_path, sao_cli):
     path = _jsonl(tmp_path / "tasks.jsonl", ROWS)
-    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", f"env.name={MATH}", f"env.options.path={path}",
-                           "env.options.prompt_field=problem", "output.root=runs"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    proc = sao_cli("train", f"env.name={MATH}", f"env.options.path={path}", "env.options.prompt_field=problem",
+                   "output.root=runs", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         f"sao: error: env.options.prompt_field: field 'problem' not in {path!r} row 1 "

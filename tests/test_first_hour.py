@@ -12,18 +12,15 @@ import threading
 import time
 
 import pytest
+from conftest import TINY as BASE
 
 from sao.config import load_config
 from sao.runtime import checkpoint
 from sao.runtime.model_setup import cache_entry_problem, prepare_base_model
 from sao.runtime.run_dir import RunDir
 
-TINY = [
-    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
-    "sft.steps=20", "sft.batch_size=8", "train.steps=4", "train.batch_size=4", "critic.warmup_steps=1",
-    "rollout.concurrency=8", "rollout.max_turns=2", "rollout.max_action_tokens=12", "runtime.max_lag=1",
-    "eval.num_tasks=4", "eval.every=0", "output.save_every=2", "output.root=runs", "model.cache_dir=cache",
-]
+TINY = [*BASE, "output.save_every=2", "model.cache_dir=cache"]  # its own cache: some tests are about the cache
+pytestmark = pytest.mark.slow
 
 
 def _sao(*args, cwd, timeout=300):

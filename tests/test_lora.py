@@ -5,7 +5,9 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
+from conftest import TINY as BASE
 from safetensors.torch import load_file
 
 from sao.config import LoraSettings
@@ -13,13 +15,9 @@ from sao.models.critic import build_critic, critic_values
 from sao.models.lora import engine_parameters, trainable_parameters, with_lora
 from sao.models.tiny import build_tiny_model, load_model
 
-TINY = [
-    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
-    "sft.steps=20", "sft.batch_size=8", "train.steps=3", "train.batch_size=4", "critic.warmup_steps=1",
-    "rollout.concurrency=8", "rollout.max_turns=2", "rollout.max_action_tokens=12", "runtime.max_lag=1",
-    "eval.num_tasks=8", "eval.every=0", "output.root=runs", "model.cache_dir=cache", "train.lr=1e-2",
-    "algo.entropy_coef=0.1",  # a gradient even when a 20-step SFT model earns no reward (zero advantages)
-]
+TINY = [*BASE, "train.steps=3", "eval.num_tasks=8", "model.cache_dir=cache", "train.lr=1e-2",
+        "algo.entropy_coef=0.1"]  # a gradient even when a 20-step SFT model earns no reward (zero advantages)
+pytestmark = pytest.mark.slow
 
 
 def test_engine_parameters_are_the_merged_weights_in_plain_order(tiny_model_dir):
@@ -79,7 +77,7 @@ def test_lora_run_with_a_smaller_lora_critic_keeps_the_parity_gate(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/actor_version"] for r in rows if "reward/mean" in r] == [0, 1, 2, 3, 4]
-    state = torch.load(final / "trainer_state.pt", weights_only=False)
+    state = torch.load(final / "trainer_state.pt", weights_only=False)["trainer"]
     # Adam's step count runs over the whole run: restored, not rebuilt (a new optimizer would say 2)
     assert state["actor_opt"]["state"][0]["step"] == state["actor_version"] == 4
     assert state["critic_opt"]["state"][0]["step"] == state["critic_version"]

@@ -10,7 +10,9 @@ import sys
 import threading
 import time
 
+import pytest
 import torch
+from conftest import TINY as BASE
 
 from sao.engine.torch_engine import TorchEngine
 from sao.envs.base import StepResult
@@ -63,12 +65,8 @@ def test_hung_sync_steps_cost_only_their_own_episodes(tiny):
     assert hung_steps() == 0
 
 
-TINY = [
-    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
-    "sft.steps=20", "sft.batch_size=8", "train.batch_size=4", "critic.warmup_steps=1",
-    "rollout.concurrency=8", "rollout.max_turns=2", "rollout.max_action_tokens=12", "runtime.max_lag=1",
-    "eval.num_tasks=4", "eval.every=0", "output.root=runs", "model.cache_dir=cache",
-]
+TINY = BASE
+pytestmark = pytest.mark.slow
 
 
 def _popen(args, cwd):
@@ -118,7 +116,7 @@ def audit_of(run):
     trained = [e["id"] for e in events if e["event"] == "trained"]
     dropped = [e["id"] for e in events if e["event"] == "dropped"]
     state = torch.load(run / "checkpoints" / "final" / "trainer_state.pt", weights_only=False)
-    pending = {a["id"] for a in state["scheduler"]["pending"]} | {json.loads(t)["id"] for t in state["queued"]}
+    pending = {a["id"] for a in state["scheduler"]["pending"]} | {json.loads(t)["id"] for t in state["queue"]["queued"]}
     assert len(set(trained)) == len(trained), "an episode was trained twice"
     assert not set(trained) & set(dropped) and not pending & (set(trained) | set(dropped))
     assert issued == set(trained) | set(dropped) | pending, "an issued episode was lost"
@@ -165,8 +163,9 @@ def test_trainer_sigkill_leaves_no_worker_and_resume_is_lossless(tmp_path):
     assert steps == list(range(1, 13))  # continuous: steps after the checkpoint are not recorded twice
     _, state = audit_of(run)
     # optimizer state was restored, not rebuilt: Adam's step count equals the actor steps of the whole run
-    assert state["step"] == 12 and state["actor_opt"]["state"][0]["step"] == state["actor_version"] == 11
-    assert state["critic_opt"]["state"][0]["step"] == state["critic_version"] == 12 * 2
+    trainer = state["trainer"]
+    assert state["step"] == 12 and trainer["actor_opt"]["state"][0]["step"] == trainer["actor_version"] == 11
+    assert trainer["critic_opt"]["state"][0]["step"] == trainer["critic_version"] == 12 * 2
 
 
 def test_sigterm_writes_a_checkpoint_that_resumes(tmp_path):
@@ -178,7 +177,7 @@ def test_sigterm_writes_a_checkpoint_that_resumes(tmp_path):
     assert proc.returncode == 130 and "SIGTERM: checkpoint" in err, err[-3000:]
     stopped_at = torch.load(run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
                             / "trainer_state.pt", weights_only=False)
-    assert stopped_at["step"] >= 2 and stopped_at["queued"] + stopped_at["scheduler"]["pending"]
+    assert stopped_at["step"] >= 2 and stopped_at["queue"]["queued"] + stopped_at["scheduler"]["pending"]
     resumed = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--resume", str(run), "--quiet"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -1,14 +1,7 @@
 """Runtime combinations that would hang or silently misbehave are refused before anything starts."""
 
-import subprocess
-import sys
 
 import pytest
-
-
-def _train(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "sao.cli", "train", *args, "--quiet"], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -20,20 +13,19 @@ def _train(*args, cwd):
     (["runtime.receive_timeout_s=0"], "runtime.receive_timeout_s"),
     (["runtime.mode=sync", "runtime.rollout_only=true"], "runtime.rollout_only measures the async rollout side"),
 ])
-def test_refused_in_one_line_before_anything_is_written(tmp_path, args, words):
-    proc = _train(*args, cwd=tmp_path)
+def test_refused_in_one_line_before_anything_is_written(tmp_path, sao_cli, args, words):
+    proc = sao_cli("train", *args, "--quiet", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], proc.stderr
     assert not list(tmp_path.iterdir())  # no run directory, no cache
 
 
-def test_sync_flag_with_several_workers_is_refused(tmp_path):
-    proc = _train("runtime.rollout_workers=2", "--sync", cwd=tmp_path)
+def test_sync_flag_with_several_workers_is_refused(tmp_path, sao_cli):
+    proc = sao_cli("train", "runtime.rollout_workers=2", "--sync", "--quiet", cwd=tmp_path)
     assert proc.returncode == 2 and "runtime.mode=sync" in proc.stderr
 
 
-def test_resume_needs_a_run_with_a_checkpoint(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--resume", str(tmp_path / "nope")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+def test_resume_needs_a_run_with_a_checkpoint(tmp_path, sao_cli):
+    proc = sao_cli("train", "--resume", str(tmp_path / "nope"), cwd=tmp_path)
     assert proc.returncode == 2 and "--resume" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -7,8 +7,11 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from test_runtime_faults import TINY, _popen, _rows, _wait_for_step, audit_of
 from test_smoke_train import REQUIRED
+
+pytestmark = pytest.mark.ray
 
 
 def _actor_pids():

@@ -5,14 +5,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import TINY as BASE
 
-TINY = [
-    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
-    "sft.steps=20", "sft.batch_size=8", "train.steps=4", "train.batch_size=4", "critic.warmup_steps=1",
-    "rollout.concurrency=8", "rollout.max_turns=2", "rollout.max_action_tokens=12", "runtime.max_lag=1",
-    "eval.num_tasks=8", "eval.every=2", "output.trajectories_every=1", "output.save_every=2", "output.root=runs",
-    "model.cache_dir=cache",
-]
+TINY = [*BASE, "eval.num_tasks=8", "eval.every=2", "output.trajectories_every=1", "output.save_every=2",
+        "model.cache_dir=cache"]  # its own cache: test_sync_mode_and_cached_sft_model counts the entries
+pytestmark = pytest.mark.slow
 
 
 def _sao(*args, cwd, timeout=300):
@@ -76,7 +73,7 @@ def audit_is_clean(run, steps=4, batch=4):
     assert len(trained) == steps * batch and len(set(trained)) == len(trained)
     assert not set(trained) & set(dropped) and len(set(dropped)) == len(dropped)
     state = torch.load(run / "checkpoints" / "final" / "trainer_state.pt", weights_only=False)
-    pending = {a["id"] for a in state["scheduler"]["pending"]} | {json.loads(t)["id"] for t in state["queued"]}
+    pending = {a["id"] for a in state["scheduler"]["pending"]} | {json.loads(t)["id"] for t in state["queue"]["queued"]}
     assert issued == set(trained) | set(dropped) | pending  # nothing lost
     assert not pending & (set(trained) | set(dropped))
     return events, state

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import TINY as BASE
 
 from sao.envs import base, make_environment, register_environment
 from sao.types import Task
@@ -100,12 +101,7 @@ FLAKY = '''
             return FlakyEpisode(self.options.max_attempts, self.options.fail_rate, self.seed)
 '''
 
-TINY = [
-    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
-    "sft.steps=20", "sft.batch_size=8", "train.steps=4", "train.batch_size=4", "critic.warmup_steps=1",
-    "rollout.concurrency=8", "rollout.max_turns=2", "rollout.max_action_tokens=16", "runtime.max_lag=1",
-    "eval.num_tasks=8", "eval.every=0", "output.trajectories_every=1", "output.root=runs", "model.cache_dir=cache",
-]
+TINY = [*BASE, "rollout.max_action_tokens=16", "eval.num_tasks=8", "output.trajectories_every=1"]
 
 
 def test_failing_user_env_through_the_cli(tmp_path):
