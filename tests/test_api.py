@@ -37,6 +37,7 @@ def test_api_validates_like_the_cli(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+@pytest.mark.slow
 def test_quickstart_script_trains_a_main_module_environment_and_reports_to_every_tracker(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "api_quickstart.py"), *TINY,

@@ -193,6 +193,7 @@ def test_bad_jsonl_files_are_clear_errors(tmp_path, rows, message):
         _env(min_level=3, max_level=1)
 
 
+@pytest.mark.slow
 @needs_sandbox
 def test_train_cli_smoke_run(tmp_path):
     recipe = Path(__file__).resolve().parents[1] / "examples" / "configs" / "code.yaml"
@@ -267,6 +268,7 @@ def test_tests_the_host_cannot_judge_are_refused_derived_or_opted_in(tmp_path):
     assert gamed.reward == 1.0 and gamed.info["tests_judged_in_sandbox"] == 1.0  # why it is opt-in only
 
 
+@pytest.mark.slow
 @needs_sandbox
 def test_humaneval_is_judged_wholly_on_the_host():
     """All 164 problems: each canonical solution passes and `return None` fails, every test judged on the host."""

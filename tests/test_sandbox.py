@@ -737,6 +737,7 @@ def _expose(paths: list[str], spare: list[str]) -> str:
 
 @pytest.mark.skipif(os.geteuid() != 0 or os.environ.get(AS_USER_ENV) == "1",
                     reason="needs root to create the unprivileged user; runs once, from the root suite")
+@pytest.mark.slow
 def test_the_suite_passes_as_an_unprivileged_user():
     """This file again, as a user created here, on the user-namespace path of every mechanism."""
     try:

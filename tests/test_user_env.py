@@ -104,6 +104,7 @@ FLAKY = '''
 TINY = [*BASE, "rollout.max_action_tokens=16", "eval.num_tasks=8", "output.trajectories_every=1"]
 
 
+@pytest.mark.slow
 def test_failing_user_env_through_the_cli(tmp_path):
     (tmp_path / "flaky_env.py").write_text(textwrap.dedent(FLAKY))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])}
