@@ -49,19 +49,6 @@ def worker_specs(cfg: Config, model_path: str, limits) -> list[WorkerSpec]:
             for i in range(r.rollout_workers)]
 
 
-def reseed(spec: WorkerSpec) -> WorkerSpec:
-    """A restarted worker samples differently from the one that died (same index)."""
-    from dataclasses import replace
-
-    return replace(spec, seed=spec.seed + 100_003)
-
-
-def flatten(params: list[torch.Tensor]) -> torch.Tensor:
-    """All parameters as one float32 vector: one buffer per publish on every backend."""
-    with torch.no_grad():
-        return torch.cat([p.detach().reshape(-1).float() for p in params])
-
-
 def make_backend(cfg: Config, model_path: str, limits) -> Backend:
     specs = worker_specs(cfg, model_path, limits)
     if cfg.runtime.backend == "ray":

@@ -29,7 +29,7 @@ class PolicyCopy:
             self.model = load_model(model_path).to(resolve_device(cfg.engine.device))
 
     def load(self, weights: list[torch.Tensor]) -> None:
-        from sao.runtime.backend import flatten
+        from sao.runtime.weight_sync import flatten
 
         flat, offset = flatten(weights), 0
         with torch.no_grad():

@@ -26,10 +26,9 @@ from multiprocessing.connection import wait
 
 import torch
 
-from sao.runtime.backend import reseed
 from sao.runtime.prewarm import forkserver_context
 from sao.runtime.weight_sync import SharedWeights
-from sao.runtime.worker_host import WorkerSpec
+from sao.runtime.worker_host import WorkerSpec, reseed
 from sao.types import Assignment, Finished, Record, WorkerLost
 
 PR_SET_PDEATHSIG = 1

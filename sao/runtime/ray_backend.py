@@ -23,8 +23,8 @@ import ray
 import torch
 
 from sao.config import RuntimeConfig
-from sao.runtime.backend import flatten, reseed
-from sao.runtime.worker_host import WorkerSpec
+from sao.runtime.weight_sync import flatten
+from sao.runtime.worker_host import WorkerSpec, reseed
 from sao.types import Assignment, Record, WorkerLost
 
 

@@ -15,6 +15,12 @@ import time
 import torch
 
 
+def flatten(params: list[torch.Tensor]) -> torch.Tensor:
+    """All parameters as one float32 vector: one buffer per publish on every backend."""
+    with torch.no_grad():
+        return torch.cat([p.detach().reshape(-1).float() for p in params])
+
+
 class SharedWeights:
     def __init__(self, shapes: list[tuple[int, ...]], ctx=None):
         ctx = ctx or mp.get_context("spawn")

@@ -29,6 +29,13 @@ class WorkerSpec:
     env_class: bytes | None = None  # a user environment class passed as an object (sao.envs.base.portable_environment)
 
 
+def reseed(spec: WorkerSpec) -> WorkerSpec:
+    """A restarted worker samples differently from the one that died (same index)."""
+    from dataclasses import replace
+
+    return replace(spec, seed=spec.seed + 100_003)
+
+
 def quiet_transformers() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
