@@ -1,4 +1,4 @@
-"""Async vs sync on the same steps, paired and alternating, before and after the issue-12 changes.
+"""Async vs sync on the same steps, paired and alternating, before and after packing, adaptive threads and issue_ahead=1.
 
     python benchmarks/async_vs_sync.py [--steps 60] [--reps 3] [--variants after before] [key=value ...]
 

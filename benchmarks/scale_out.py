@@ -33,6 +33,7 @@ from sao.models.tiny import load_model
 from sao.runtime.backend import make_backend
 from sao.runtime.episodes import limits_of
 from sao.runtime.model_setup import prepare_base_model
+from sao.runtime.pacing import Pacing
 from sao.runtime.queue import TrajectoryQueue
 from sao.runtime.scheduler import Audit, Scheduler, TaskStream
 from sao.runtime.worker_host import quiet_transformers
@@ -44,15 +45,15 @@ def measure(cfg, model_path, seconds: float) -> dict:
     backend = make_backend(cfg, str(model_path), limits_of(cfg))
     n, slots, batch = cfg.runtime.rollout_workers, cfg.rollout.concurrency, cfg.train.batch_size
     with tempfile.TemporaryDirectory() as tmp:
-        sched = Scheduler(backend, TaskStream(environment.train_tasks()), Audit(Path(tmp) / "audit.jsonl"),
-                          batch, cfg.runtime.max_lag)
+        pacing = Pacing(batch, ahead=cfg.runtime.max_lag)
+        sched = Scheduler(backend, TaskStream(environment.train_tasks()), Audit(Path(tmp) / "audit.jsonl"), pacing)
         queue, t0 = TrajectoryQueue(), time.perf_counter()
         backend.start(params, 0)
         start_call_s = time.perf_counter() - t0  # ray: ray.init + actor creation calls; local: process spawn
         delivered: set[int] = set()
 
         def pump() -> list:
-            sched.consumed = (len(queue) + 2 * n * slots) // batch  # keep ~2 episodes per slot in play
+            pacing.consumed = (len(queue) + 2 * n * slots) // batch  # keep ~2 episodes per slot in play
             sched.fill(0)
             records = backend.receive(timeout=0.2)
             delivered.update(r.worker for r in records if type(r).__name__ == "Finished")

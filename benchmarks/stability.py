@@ -9,8 +9,8 @@ A mode is `sync`, `async`, or a variant with its own overrides, e.g. `async:runt
 Tasks:
   default   `sao train` as shipped (calc, SFT warm start)
   addition  one turn of "a+b" with an untrained model: random-init Qwen2, no SFT, lr 1e-3, 16 episodes
-            per step (the setting where async collapsed in issue 12, which used ~1.8M parameters:
-            pass `--issue-model`; the default size, ~0.2M, is 8x cheaper per step)
+            per step (the setting where async once collapsed, docs/performance.md §6, with ~1.8M parameters:
+            pass `--large-model`; the default size, ~0.2M, is 8x cheaper per step)
 For each task and seed, the modes run back to back (the order reversed on every other seed), with
 the same seed. Per run: final reward (mean of the last 10 steps), actor entropy and truncated fraction
 over the last 10 steps, mean lag, DIS masked fractions, held-out accuracy at the end, and the first
@@ -36,8 +36,8 @@ TASKS = {
     "addition": ["env.options.max_ops=1", "env.options.ops=+", "rollout.max_turns=1", "sft.steps=0",
                  "model.arch=qwen2", "train.lr=1e-3", "train.batch_size=16"],
 }
-# the issue's model: ~1.8M parameters (a step costs ~8x the default 0.2M model's on this machine)
-ISSUE_MODEL = ["model.hidden_size=192", "model.num_layers=4", "model.num_heads=4", "model.intermediate_size=512"]
+# --large-model: ~1.8M parameters (a step costs ~8x the default 0.2M model's on this machine)
+LARGE_MODEL = ["model.hidden_size=192", "model.num_layers=4", "model.num_heads=4", "model.intermediate_size=512"]
 
 
 def summarize(run_dir: str, accuracy: float) -> dict:
@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--steps-default", type=int, default=60)
     ap.add_argument("--steps-addition", type=int, default=150)
     ap.add_argument("--modes", nargs="+", default=["sync", "async"])
-    ap.add_argument("--issue-model", action="store_true", help="addition: the issue's ~1.8M-parameter model")
+    ap.add_argument("--large-model", action="store_true",
+                    help="addition: a ~1.8M-parameter model (hidden 192, 4 layers) instead of the default ~0.2M")
     ap.add_argument("--out", default="benchmarks/results/stability.json")
     ap.add_argument("overrides", nargs="*")
     ns = ap.parse_args()
@@ -83,7 +84,7 @@ def main() -> None:
             for j, mode in enumerate(ns.modes if i % 2 == 0 else ns.modes[::-1]):
                 base, _, extra = mode.partition(":")
                 name = f"stab-{task}-{base}{j}-s{seed}-{stamp}"
-                size = ISSUE_MODEL if ns.issue_model and task == "addition" else []
+                size = LARGE_MODEL if ns.large_model and task == "addition" else []
                 cfg = load_config(None, [*TASKS[task], *size, f"train.steps={steps}", f"train.seed={seed}", "eval.every=0",
                                          "eval.num_tasks=50", "output.root=runs/bench", f"runtime.mode={base}",
                                          f"output.name={name}", *ns.overrides, *filter(None, extra.split(","))])
@@ -93,7 +94,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"overrides": ns.overrides, "issue_model": ns.issue_model, "modes": ns.modes,
+    out.write_text(json.dumps({"overrides": ns.overrides, "large_model": ns.large_model, "modes": ns.modes,
                                "runs": runs}, indent=2))
     cols = ["final_reward", "entropy", "truncated_frac", "lag_mean", "masked_low", "heldout_accuracy", "collapse_step"]
     print(f"{'task':<10}{'mode':<34}{'seed':>5}" + "".join(f"{c:>17}" for c in cols))

@@ -1,6 +1,6 @@
 """Online learning (paper §4.5): SAO vs the running-mean baseline on `style_shift`.
 
-Superseded by `sao bench online` (benchmarks/experiments/online.yaml: the same variants, seeds and
+Superseded by `sao bench online` (sao/bench/experiments/online.yaml: the same variants, seeds and
 recovery rule, plus the shared results.json / results.md / curves.png format); kept because its
 per-phase stable-reward figures and plot are still referenced by the README's measured numbers.
 

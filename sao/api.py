@@ -10,10 +10,11 @@ Bad input raises `sao.ConfigError` with the one-line message the CLI prints, bef
 
 A user environment class passed as `env=` is registered under its class name and travels to the
 rollout processes by value (cloudpickle; docs/architecture.md §4), so it may live in a notebook
-or in a script's `__main__`. Those processes are started with `spawn`, which normally re-imports the
-caller's main module in every child: a script that calls `train()` at top level would then run again
-in each child. While `train()` runs, the main module is hidden from `spawn` (as in a notebook, which
-has no file), so no `if __name__ == "__main__":` guard is needed (tests/test_api.py runs a script
+or in a script's `__main__`. Those processes are forked from a multiprocessing fork server
+(sao/runtime/local.py), which, like `spawn`, re-imports the caller's main module in every child (as
+`__mp_main__`): a script that calls `train()` at top level would then run again in each child. While
+`train()` runs, the main module is hidden from multiprocessing (as in a notebook, which has no file),
+so no `if __name__ == "__main__":` guard is needed (tests/test_api.py runs a script
 without one).
 """
 
@@ -56,7 +57,7 @@ def use_environment(env: type | str) -> str:
 
 @contextlib.contextmanager
 def _main_module_hidden():
-    """Let `spawn` start children without re-importing the caller's main module (see the module doc)."""
+    """Let the fork server start children without re-importing the caller's main module (see the module doc)."""
     main = sys.modules.get("__main__")
     saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
     if main is None or "__file__" not in saved:

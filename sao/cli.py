@@ -7,7 +7,7 @@
     sao pretrain-critic [CONFIG.yaml] [key=value ...] --out DIR   value pretraining (cold start)
     sao report RUN                                    PNG plots of a run's curves into RUN/plots/
     sao config [PREFIX]                               every config key: type, default, description
-    sao bench EXPERIMENT [--quick] [--out DIR] [key=value ...]   variants side by side (benchmarks/experiments/)
+    sao bench EXPERIMENT [--quick] [--out DIR] [key=value ...]   variants side by side (sao/bench/experiments/)
     sao models import-gguf PATH|smollm2 OUT           a GGUF checkpoint -> a normal HF model folder
 
 Bad input (unknown key, bad value, missing file, a damaged checkpoint, a finished run to resume)
@@ -219,12 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run")
     p.set_defaults(fn=cmd_report)
     p = sub.add_parser("bench", help="run an experiment's variants side by side: results.json, results.md, curves.png",
-                       epilog="experiments: benchmarks/experiments/*.yaml (stability, wallclock, ablation, online) "
+                       epilog="experiments: stability, wallclock, ablation, online (shipped in sao/bench/experiments/) "
                               "or your own YAML file; key=value overrides apply to every variant")
-    p.add_argument("experiment", help="name under benchmarks/experiments/ or a .yaml file")
+    p.add_argument("experiment", help="a shipped experiment's name or the path of a .yaml file")
     p.add_argument("args", nargs="*", help="dotted overrides applied to every variant")
     p.add_argument("--quick", action="store_true", help="the experiment's quick preset (minutes)")
-    p.add_argument("--out", help="results folder (default: benchmarks/results/EXPERIMENT/PRESET)")
+    p.add_argument("--out", help="results folder (default: benchmarks/results/EXPERIMENT/PRESET in the current folder)")
     p.add_argument("--seeds", nargs="+", type=int, help="train.seed of each repeat, instead of the experiment's")
     p.add_argument("--runs", help=("folder for the run directories (default: runs/bench/EXPERIMENT-PRESET-TIME); "
                          "runs already finished there with the same command are reused, not re-trained"))

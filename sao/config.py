@@ -158,7 +158,7 @@ class RuntimeConfig(Section):
     rollout_workers: int = Field(1, ge=1, description="rollout workers, each with its own engine and episode slots")
     max_lag: int = Field(2, ge=0, description=(
         "staleness bound in policy versions: trajectories older than this are dropped at dequeue; pacing "
-        "keeps at most (max_lag + 1) batches in flight"))
+        "keeps at most (issue_ahead + 1) batches in flight, issue_ahead <= max_lag (sao/runtime/pacing.py)"))
     issue_ahead: int = Field(1, ge=0, description=(
         "batches the rollout side may run ahead of the trainer (capped by max_lag, at least sync_every - 1); "
         "when the trainer is the bottleneck every batch is this many versions stale, and one batch ahead "

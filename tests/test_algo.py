@@ -131,10 +131,19 @@ def test_value_loss_and_clipping():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     loss, _ = value_loss(v, r, mask)
     assert loss.item() == pytest.approx(0.5 * (1 + 0) / 2)  # 0.5 * mean of squared errors over 2 tokens
+    # clipped: err = max((V - R)^2, (V_old + clamp(V - V_old, -0.2, 0.2) - R)^2); t1 is 0 either way (V = V_old = R)
     old = torch.tensor([[0.9, 1.0, 5.0]])
     clipped, _ = value_loss(v, r, mask, old_values=old, clip=0.2)
-    # t0: unclipped err (0-1)^2 = 1; clipped V = 0.9 - 0.2 = 0.7 -> 0.09; max = 1 -> same loss
+    # t0: unclipped (0-1)^2 = 1; clipped V = 0.9 - 0.2 = 0.7 -> (0.7-1)^2 = 0.09; max = 1 -> 0.5 * 1 / 2
     assert clipped.item() == pytest.approx(0.25)
+    old = torch.tensor([[-1.0, 1.0, 5.0]])
+    clipped, _ = value_loss(v, r, mask, old_values=old, clip=0.2)
+    # t0: unclipped (0-1)^2 = 1; clipped V = -1 + 0.2 = -0.8 -> (-0.8-1)^2 = 3.24; max = 3.24 -> 0.5 * 3.24 / 2
+    assert clipped.item() == pytest.approx(0.81)
+    clipped.backward()
+    # the clipped term won and its clamp is saturated: no gradient reaches V at t0 (unclipped would give
+    # d/dV 0.5 * (V-1)^2 / 2 = (V-1)/2 = -0.5)
+    assert v.grad[0].tolist() == [0.0, 0.0, 0.0]
 
 
 def test_whitening_and_masked_mean():

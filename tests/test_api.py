@@ -1,8 +1,8 @@
 """The Python API (`from sao import Config, train, evaluate`) and the trackers, offline.
 
 One short run of examples/api_quickstart.py covers: an environment class defined in a script's
-`__main__` with no `if __name__ == "__main__":` guard, sent by value to the spawned rollout
-process; the API's validation; and tensorboard, wandb (offline) and trackio (local) receiving the
+`__main__` with no `if __name__ == "__main__":` guard, sent by value to the rollout process
+(forked from the fork server); the API's validation; and tensorboard, wandb (offline) and trackio (local) receiving the
 same metric names as metrics.jsonl.
 """
 

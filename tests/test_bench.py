@@ -70,10 +70,22 @@ def test_time_to_target_accuracy_at_and_recovery():
     assert recovery(steps, [1.0] * 10 + [0.0] * 20, [0, 10], 0.8, 3) == [None]
 
 
-def test_experiments_load_and_later_settings_win():
-    for name in ("stability", "wallclock", "ablation", "online"):
-        exp = load_experiment(name)
+def test_experiments_ship_with_the_package_and_later_settings_win():
+    import fnmatch
+
+    import sao.bench
+    from sao.bench.experiment import EXPERIMENTS_DIR
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    package = Path(sao.bench.__file__).parent
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["sao.bench"]
+    shipped = sorted(EXPERIMENTS_DIR.glob("*.yaml"))
+    assert EXPERIMENTS_DIR.parent == package and [p.stem for p in shipped] == ["ablation", "online", "stability", "wallclock"]
+    for path in shipped:
+        assert any(fnmatch.fnmatch(str(path.relative_to(package)), g) for g in globs)  # in the wheel
+        exp = load_experiment(path.stem)
         assert exp.variants and exp.description
+        assert exp.config is None  # no file outside the package: it runs from any folder
     exp = load_experiment("stability").preset(quick=True)
     args = train_args(exp, "grpo", 0, Path("r"), ["train.steps=3"])
     assert "train.steps=3" in args and sum(a.startswith("train.steps=") for a in args) == 1

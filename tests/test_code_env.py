@@ -127,7 +127,7 @@ def test_submit_rewards_full_zero_partial_and_sandbox_failures():
 
 @needs_sandbox
 def test_printed_fake_failures_do_not_change_the_observation():
-    """Issue 9: the <run_tests> observation came from parsing program output, so printing fake
+    """Found in review: the <run_tests> observation came from parsing program output, so printing fake
     failure lines (or a fake pass count) changed what the model saw."""
     task = _env(min_level=1, max_level=1).eval_tasks(1)[0]
     n = len(task.meta["examples"])
@@ -211,7 +211,7 @@ def test_options_are_documented():
 
 @needs_sandbox
 def test_run_tests_never_shows_a_hidden_expected_value():
-    """Issue 19: <run_tests> printed each failing hidden assert with its expected literal; one call per test
+    """Found in review: <run_tests> printed each failing hidden assert with its expected literal; one call per test
     and a lookup table reached reward 1.0 (0/4 on fresh inputs). Hidden tests now show only the inputs and
     the value returned; the generator's <run_tests> runs separate visible examples."""
     for options in ({"num_examples": 0, "max_failures_shown": 8, "observation_chars": 2000}, {}):
@@ -231,7 +231,7 @@ def test_run_tests_never_shows_a_hidden_expected_value():
 
 @needs_sandbox
 def test_failures_caused_by_the_code_are_rewarded_zero_not_env_errors():
-    """Issue 19: a 5,000-deep JSON line on the results pipe raised RecursionError on the host, and a lone
+    """Found in review: a 5,000-deep JSON line on the results pipe raised RecursionError on the host, and a lone
     surrogate in an exception message reached the tokenizer: both ended the episode as env_error, which is
     never trained on, so the policy's failures vanished from the update."""
     env, tokenizer = _env(min_level=1, max_level=1), build_char_tokenizer()
@@ -249,7 +249,7 @@ LIAR = "class L(list):\n    __eq__ = lambda s, o: True\ndef g(x):\n    return L(
 
 @needs_sandbox
 def test_tests_the_host_cannot_judge_are_refused_derived_or_opted_in(tmp_path):
-    """Issue 19: a test judged inside the sandbox paid reward 1 to an object equal to everything."""
+    """Found in review: a test judged inside the sandbox paid reward 1 to an object equal to everything."""
     sandbox_only = "try:\n    r = g(1)\nexcept Exception:\n    r = None\nassert r == 2"
     rows = [{"id": f"t{i}", "prompt": f"Write g(x) = x + {i}.", "tests": [sandbox_only.replace("2", str(1 + i))]}
             for i in range(10)]

@@ -77,14 +77,31 @@ def test_weights_swap_between_decode_steps_while_sequences_are_in_flight(tiny, t
     gen = asyncio.run(main())
     assert gen.versions[0] == 0 and gen.versions[-1] == 1  # one trajectory spans two versions
     k = gen.versions.index(1)
+    assert gen.versions == [0] * k + [1] * (len(gen.versions) - k)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    assert engine.stats["weight_swaps"] == 1 and engine.version == 1
+    old = load_model(tiny_model_dir)  # the weights the engine started with
+    lp = torch.tensor(gen.logprobs)
     ids = torch.tensor([prompt + gen.token_ids])
     with torch.no_grad():
-        lp_new = sequence_logprobs(other, ids, torch.ones_like(ids))[0, len(prompt):]
-    # the engine now holds the new weights; tokens from index k on were sampled with them (over a KV cache
-    # of earlier tokens computed by the old weights, so they need not match a fresh forward pass exactly)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
-    assert torch.isfinite(lp_new[k:]).all()
-    assert engine.stats["weight_swaps"] == 1 and engine.version == 1
+        lp_old = sequence_logprobs(old, ids, torch.ones_like(ids))[0, len(prompt):]
+    assert torch.allclose(lp[:k], lp_old[:k], atol=1e-4)  # before the swap: the old weights
+    # from token k on: the new weights over the K/V the old ones left in the running cache
+    assert torch.allclose(lp[k:], _logprobs_after_swap(old, other, prompt, gen.token_ids, k), atol=1e-4)
+    assert not torch.allclose(lp[k:], lp_old[k:], atol=1e-2)  # and the two differ: the swap is visible
+
+
+def _logprobs_after_swap(old, new, prompt, tokens, k):
+    """Log-probs of tokens[k:] as an engine that swapped weights before sampling token k computes them:
+    the K/V of prompt + tokens[:k-1] stay in the running cache from the old weights, the new weights
+    run token k-1 and every later one (decode step j feeds token j-1 and samples token j)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=old.config)
+    with torch.no_grad():
+        old(input_ids=torch.tensor([prompt + tokens[:k - 1]]), cache=cache, use_cache=True)
+        logits = new(input_ids=torch.tensor([tokens[k - 1:-1]]), cache=cache, use_cache=True).logits[0]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens[k:])[:, None]).squeeze(-1)
 
 
 def test_stop_token_ends_generation_and_greedy_is_argmax():

@@ -68,14 +68,35 @@ def test_on_policy_batch_masks_nothing_and_moves_toward_reward(tiny, tiny_model_
     assert gain[0] > gain[1]
 
 
-def test_k1_ablation_and_running_mean(tiny, tiny_model_dir):
+def test_k1_ablation_takes_one_critic_step(tiny, tiny_model_dir):
     model, codec = tiny
     learner = _learner(model, build_critic(tiny_model_dir), algo="sao_k1", warmup_steps=0)
     learner.step(_batch(codec, model))
     assert learner.critic_version == 1
-    rm = Learner(model, None, get_algorithm("running_mean"), AlgoConfig(), CriticConfig(), TrainConfig())
-    m = rm.step(_batch(codec, model))
-    assert rm.actor_version == 1 and "critic/version" not in m
+
+
+def test_running_mean_advantages_drive_the_actor_step(tiny):
+    """Both trajectories of `_batch` answer the same prompt, rewards 1 then 0; the window (per prompt)
+    is filled in batch order and each reward is judged against the rewards before it:
+      step 1: A = 1 - 0 = 1 (empty window), 0 - mean[1] = -1
+      step 2: A = 1 - mean[1, 0] = 0.5, 0 - mean[1, 0, 1] = -2/3
+    Every action token of a trajectory carries its advantage (not whitened), so with n0, n1 action tokens
+    adv/mean_raw = (n0 * A0 + n1 * A1) / (n0 + n1)."""
+    model, codec = tiny
+    batch = _batch(codec, model)
+    n0, n1 = batch.action_mask.sum(1).tolist()
+    learner = Learner(model, None, get_algorithm("running_mean"), AlgoConfig(), CriticConfig(), TrainConfig(lr=1e-3))
+    m = learner.step(batch)
+    assert learner.actor_version == 1 and "critic/version" not in m
+    assert m["adv/mean_raw"] == pytest.approx((n0 * 1 + n1 * -1) / (n0 + n1), abs=1e-6)
+    from sao.models.actor import sequence_logprobs
+
+    with torch.no_grad():
+        lp = sequence_logprobs(model, batch.input_ids, batch.attention_mask)
+    gain = ((lp - batch.behavior_logprobs) * batch.action_mask).sum(1)
+    assert gain[0] > 0 > gain[1]  # the positive advantage became more likely, the negative one less
+    m = learner.step(batch)
+    assert m["adv/mean_raw"] == pytest.approx((n0 * 0.5 + n1 * -2 / 3) / (n0 + n1), abs=1e-6)
 
 
 def test_entropy_bonus_is_off_by_default_and_raises_entropy_when_on(tiny, tiny_model_dir):

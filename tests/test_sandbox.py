@@ -4,7 +4,7 @@ Every test that runs code is parametrized over the mechanisms that work here (bw
 and util-linux unshare). As root, `test_the_suite_passes_as_an_unprivileged_user` runs this whole
 file again as a user it creates, on the user-namespace path. After each test, no process of its
 runs is left. `guard=False` runs check the OS layers without the in-process audit hook.
-Issue 9's attack classes: forged records, introspection of the harness, the nested-name import,
+The attack classes found in review: forged records, introspection of the harness, the nested-name import,
 fallocate on outputs, memfd and shared memory (here); printed fake failures (tests/test_code_env.py).
 """
 
@@ -124,7 +124,7 @@ def test_the_host_keeps_expected_values_and_judges_data_only():
 
 
 def test_compound_and_tolerance_asserts_are_decided_by_the_host():
-    """Issue 19: these forms were host-judged in name only: the comparison ran inside, with the code's objects."""
+    """Found in review: these forms were host-judged in name only: the comparison ran inside, with the code's objects."""
     cases = [("assert f(1) == 3 and f(2) == 7", {"f(1)": "3", "f(2)": "7"}, {"f(1)": "3", "f(2)": "8"}),
              ("assert all([f(1) == 3, f(2) == 7])", {"f(1)": "3", "f(2)": "7"}, {"f(1)": "4", "f(2)": "7"}),
              ("import math\nassert math.isclose(f(1), 0.5)", {"f(1)": "0.5000000001"}, {"f(1)": "0.6"}),
@@ -157,7 +157,7 @@ def test_host_evaluation_is_bounded_and_total():
 
 @mechanisms
 def test_lying_objects_and_patched_helpers_do_not_pass(mech):
-    """Issue 19, each attack with an honest control: a returned object whose __eq__/__sub__/__bool__ lie, a
+    """Found in review, each attack with an honest control: a returned object whose __eq__/__sub__/__bool__ lie, a
     patched math.isclose, and a list subclass equal to everything all passed 2/2 with judge="host" before."""
     liar = dedent("""
         import math
@@ -287,7 +287,7 @@ def test_common_stdlib_works_under_the_guard(mech):
 
 @mechanisms
 def test_socket_buffers_cannot_hold_memory_outside_the_limit(mech):
-    """Issue 19: as non-root (no cgroup), six children started with _posixsubprocess.fork_exec (no audit
+    """Found in review: as non-root (no cgroup), six children started with _posixsubprocess.fork_exec (no audit
     event) filled Unix socket buffers and held ~5 GiB with memory_mb=256. Without a cgroup, socketpair
     and AF_UNIX sockets are now refused, pidfds too, fork_exec is forbidden, and descriptors are fewer."""
     hoard = dedent("""
@@ -400,7 +400,7 @@ def test_memfd_and_shared_memory_are_refused_or_counted(mech):
 
 @mechanisms
 def test_fallocate_has_no_host_file_to_grow(mech):
-    # Issue 9: fallocate(KEEP_SIZE) on the host-side output files reserved 1 GiB past a 16 MB file limit.
+    # Found in review: fallocate(KEEP_SIZE) on the host-side output files reserved 1 GiB past a 16 MB file limit.
     # Here every descriptor is a pipe or /dev/null (ESPIPE, ENODEV) and the only writable files are on
     # the capped tmpfs (EFBIG past the file limit, ENOSPC past its size).
     grab = dedent("""
@@ -569,7 +569,7 @@ def test_killing_the_parent_is_contained(mech):
 
 @mechanisms
 def test_a_nested_module_name_does_not_get_past_the_import_guard(mech):
-    # Issue 9: the guard checked only the first part of a dotted name; `pkg._ctypes` loaded _ctypes.
+    # Found in review: the guard checked only the first part of a dotted name; `pkg._ctypes` loaded _ctypes.
     nested = dedent("""
         import importlib, os, sys, types, _socket
         pkg = types.ModuleType('pkg')
@@ -685,7 +685,7 @@ INTROSPECT = dedent("""
 
 @mechanisms
 def test_introspection_finds_no_expected_value_to_copy(mech):
-    # Issue 9: frames and the gc reached the harness and its signing key. Now there is nothing to find:
+    # Found in review: frames and the gc reached the harness and its signing key. Now there is nothing to find:
     # the expected value never enters the sandbox, so a forged record can only guess.
     limits = Limits(cpu_s=4, wall_s=8, memory_mb=256, max_procs=8, max_file_mb=4)
     r = run(ADD + INTROSPECT, ["assert add(1, 2) == 918273", "assert found == []"], limits, mech=mech, guard=False)

@@ -2,8 +2,8 @@
 
     python -m examples.word_env.train_word train.steps=50 [more key=value overrides]
 
-The registration runs at import time on purpose: the `local` backend spawns its rollout process,
-which re-imports this module (as `__mp_main__`, skipping the `__main__` block) and must see it too.
+The registration runs at import time on purpose: the `local` backend's rollout process (forked from
+a fork server, sao/runtime/local.py) re-imports this module (as `__mp_main__`, skipping the `__main__` block) and must see it too.
 """
 
 import sys

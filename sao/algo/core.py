@@ -5,10 +5,6 @@ from __future__ import annotations
 import torch
 
 
-def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum()
-
-
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Token-mean of `x` over positions where `mask` is 1 (0 when the mask is empty)."""
     return (x * mask).sum() / mask.sum().clamp(min=1)

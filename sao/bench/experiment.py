@@ -1,7 +1,9 @@
-"""Experiment files (benchmarks/experiments/*.yaml) and running their variants.
+"""Experiment files and running their variants. The shipped experiments are package data
+(sao/bench/experiments/*.yaml, named on the command line: `sao bench stability`); any other is a
+.yaml file the user gives by path.
 
     description: what the experiment shows
-    config: examples/configs/style_shift.yaml    # optional recipe every variant starts from
+    config: my_recipe.yaml                        # optional recipe every variant starts from (a path)
     overrides: [train.steps=300, eval.every=25]   # the shared budget and settings (dotted keys)
     seeds: [0, 1, 2]
     budget_s: 600                                 # optional wall-clock budget per run (SIGTERM, then stop)
@@ -33,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sao.config import ConfigError
 
-EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "experiments"
+EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"  # shipped with the package (pyproject.toml)
 
 
 class Preset(BaseModel):

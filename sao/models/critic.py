@@ -13,8 +13,6 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
-ATTENTION_PATTERN = r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\."
-
 
 def build_critic(actor_path: str | Path, dtype: torch.dtype = torch.float32):
     """Critic initialized from the actor checkpoint; value head zeroed so V starts at 0."""

@@ -58,7 +58,3 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
     if adapter_base(path) is not None:
         return load_adapter_merged(path, lambda base: load_model(base, dtype))
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-
-
-def num_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
