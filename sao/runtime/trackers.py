@@ -23,7 +23,6 @@ from typing import Protocol
 
 from sao.config import Config, ConfigError
 
-TRACKERS = ("tensorboard", "wandb", "trackio")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 
 
