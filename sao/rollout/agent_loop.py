@@ -102,6 +102,10 @@ async def _close(env: Env, timeout: float) -> None:
 
 async def run_episode(env: Env, task: Task, engine: Engine, codec: ChatCodec, params: SamplingParams,
                       limits: EpisodeLimits, traj_id: str | None = None) -> Trajectory:
+    if getattr(env, "drives_itself", False):  # env.name=agent: the user's agent owns the loop
+        from sao.rollout.agent_endpoint import run_agent_episode
+
+        return await run_agent_episode(env, task, engine, codec, params, limits, traj_id)
     started = time.time()
     params = replace(params, stop_token_ids=(codec.eos_id,))
     traj = Trajectory(id=traj_id or uuid.uuid4().hex[:12], task_id=task.id, token_ids=[], action_mask=[],
