@@ -276,6 +276,8 @@ class Endpoint:
 
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets: without it
+        # a keep-alive reply waits ~40 ms for a delayed ACK (measured: 44 ms -> 0.5 ms per call, benchmarks/integrations.py)
         sock.bind((host, 0))
         server = Server(uvicorn.Config(self.app(), lifespan="off", log_level="warning", access_log=False))
         self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
