@@ -21,6 +21,7 @@ as an observation (or ends the episode with reward 0, options.invalid_action), n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import random
@@ -273,6 +274,17 @@ def session_client(base_url: str, timeout_s: float):
                     raise InvalidAction(validation_summary(err.get("errors") or []))
                 raise RuntimeError(f"OpenEnv server error {err.get('code')}: {err.get('message')}"[:500])
             return reply.get("data", {})
+
+        async def disconnect(self) -> None:
+            """Say close, then let the server close the socket first (closing at once makes openenv-core
+            0.3's server log a traceback per session under starlette 1.x)."""
+            try:
+                if self._ws is not None:
+                    with contextlib.suppress(Exception):
+                        await self._send({"type": "close"})
+                        await asyncio.wait_for(self._ws.wait_closed(), 0.25)  # a busy (hung) server: close anyway
+            finally:
+                await super().disconnect()
 
     # message_timeout_s is only a backstop: rollout.step_timeout_s normally ends a silent step first
     return SessionClient(base_url=base_url, connect_timeout_s=timeout_s, message_timeout_s=3600.0)
