@@ -277,11 +277,16 @@ def test_bad_agent_input_is_one_line_exit_2(tmp_path, tasks, monkeypatch, capsys
         (["env.options.agent=test_agent_env:nope"], "env.options.agent: module 'test_agent_env' has no function 'nope'"),
         (["env.options.command=no-such-agent-binary --x"], "env.options.command: 'no-such-agent-binary' is not an executable"),
         (["env.options.agent=test_agent_env:three_calls", "env.options.command=python"], "give exactly one of agent"),
+        ([f"env.options.command={sys.executable} -c 'import sys; sys.exit(\"no API key configured\")'"],
+         "env.options.command: exited with 1 before calling the model: no API key configured"),
     ]:
         assert cli.main(["train", "env.name=agent", f"env.options.path={tasks}", *bad]) == 2, bad
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and expect in lines[0], lines
     assert not (tmp_path / "runs").exists()
+    # the example agent calls the model at once: it passes the start check (stopped at its first call)
+    command = f"{sys.executable} {REPO / 'examples' / 'agent' / 'openai_agent.py'}"
+    make_environment("agent", {"path": str(tasks), "command": command}, seed=0).check_start()
 
 
 TRAIN_AGENT = textwrap.dedent('''

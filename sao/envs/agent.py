@@ -20,9 +20,15 @@ itself live in `sao.rollout` (environments never import the engine).
 
 from __future__ import annotations
 
+import http.server
 import importlib
+import json
+import os
 import shlex
 import shutil
+import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -68,6 +74,37 @@ def import_path(path: str, what: str) -> Any:
     return getattr(module, attr)
 
 
+class _StubEndpoint:
+    """A server on 127.0.0.1 that answers every request with HTTP 503 and notes that one came."""
+
+    def __enter__(self) -> _StubEndpoint:
+        called = self.called = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _refuse(self) -> None:
+                called.set()
+                body = b'{"error": {"message": "sao preflight: no model here", "code": "preflight"}}'
+                self.send_response(503)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _refuse
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 class AgentEpisode:
     """What one agent episode needs; `sao.rollout.agent_loop` runs it through the endpoint (it has no
     reset/step: the agent owns the loop)."""
@@ -90,6 +127,29 @@ class AgentEnvironment:
             if not argv or shutil.which(argv[0]) is None:
                 raise ValueError(f"env.options.command: {argv[0] if argv else ''!r} is not an executable on PATH")
         self.reward_fn = import_path(options.reward, "reward") if options.reward else None
+
+    def check_start(self, timeout_s: float = 60.0) -> None:
+        """A command agent is run once on the first training task against a stub endpoint that answers
+        every call with HTTP 503: exiting non-zero before any call is a broken command (a ValueError, one
+        line), refused before the run starts instead of failing every episode. Once it calls, it is stopped."""
+        if not self.options.command:
+            return
+        task = next(iter(self.split.train))
+        with _StubEndpoint() as stub:
+            env = {**os.environ, "OPENAI_BASE_URL": stub.base_url, "OPENAI_API_KEY": "sao-preflight",
+                   "SAO_TASK": json.dumps({"id": task.id, "prompt": task.prompt, "answer": task.answer,
+                                           "meta": task.meta}, default=str)}
+            proc = subprocess.Popen(shlex.split(self.options.command), env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+            deadline = time.monotonic() + min(timeout_s, self.options.timeout_s)
+            while proc.poll() is None and not stub.called.is_set() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if proc.poll() is None:
+                proc.kill()
+            err = proc.communicate()[1]
+        if proc.returncode and not stub.called.is_set():
+            last = (err.strip().splitlines() or [""])[-1][:200]
+            raise ValueError(f"env.options.command: exited with {proc.returncode} before calling the model: {last}")
 
     def train_tasks(self) -> Iterator[Task]:
         return self.split.train_stream(self.seed)
