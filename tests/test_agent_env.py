@@ -307,25 +307,25 @@ TRAIN_AGENT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_sao_train_on_an_openai_agent(tiny_model_dir, tasks, tmp_path, mode):
+def train_agent(tmp_path, tasks, model_dir, extra) -> list[dict]:
+    """A real `sao train` on TRAIN_AGENT; every trained trajectory is checked against what the agent read.
+    Returns the run's metrics rows."""
     (tmp_path / "train_agent.py").write_text(TRAIN_AGENT)
     (tmp_path / "seen").mkdir()
     env = {**os.environ, "SEEN_DIR": str(tmp_path / "seen"),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     args = ["env.name=agent", f"env.options.path={tasks}", "env.options.agent=train_agent:agent",
-            f"model.path={tiny_model_dir}", "train.steps=3", "train.batch_size=4", "critic.warmup_steps=1",
+            f"model.path={model_dir}", "train.steps=3", "train.batch_size=4", "critic.warmup_steps=1",
             "rollout.concurrency=4", "rollout.max_turns=2", "rollout.max_action_tokens=8", "runtime.max_lag=1",
             "eval.num_tasks=4", "eval.every=0", "output.trajectories_every=1", "output.root=runs", "output.name=agent",
-            f"runtime.mode={mode}"]
+            *extra]
     proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *args, "--quiet"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from sao.models.chat import ChatCodec
     from sao.models.tokenizer import load_tokenizer
 
-    codec = ChatCodec(load_tokenizer(tiny_model_dir))
+    codec = ChatCodec(load_tokenizer(model_dir))
     run_dir = tmp_path / "runs" / "agent"
     rows = [json.loads(line) for f in sorted((run_dir / "trajectories").glob("*.jsonl")) for line in f.read_text().splitlines()]
     assert len(rows) >= 12
@@ -339,12 +339,38 @@ def test_sao_train_on_an_openai_agent(tiny_model_dir, tasks, tmp_path, mode):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics if "reward/mean" in r] == [1, 2, 3]
     gate = [r["parity/max_abs_diff"] for r in metrics if "parity/max_abs_diff" in r]
-    live = [r["parity/live_max_abs_diff"] for r in metrics if "parity/live_max_abs_diff" in r]
-    # exact tokens: the step-0 parity gate holds; so does the live parity metric where no weight swap
-    # can land mid-episode (runtime.mode=sync; async torch mixes KV versions by design, docs/engines.md)
-    assert gate and max(gate) <= 1e-4, gate
-    if mode == "sync":
-        assert live and max(live) <= 1e-4, live
+    assert gate and max(gate) <= 1e-4, gate  # exact tokens: the step-0 parity gate holds
+    return metrics
+
+
+def live_parity(metrics) -> list[float]:
+    return [r["parity/live_max_abs_diff"] for r in metrics if "parity/live_max_abs_diff" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_sao_train_on_an_openai_agent(tiny_model_dir, tasks, tmp_path, mode):
+    metrics = train_agent(tmp_path, tasks, tiny_model_dir, [f"runtime.mode={mode}"])
+    if mode == "sync":  # no weight swap can land mid-episode (async torch mixes KV versions by design, docs/engines.md)
+        assert live_parity(metrics) and max(live_parity(metrics)) <= 1e-4, live_parity(metrics)
+
+
+VLLM_PYTHON = os.environ.get("SAO_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(), reason=f"vLLM environment absent ({VLLM_PYTHON}); "
+                    "build it with `bash scripts/install.sh vllm`")
+def test_sao_train_on_an_openai_agent_with_vllm(tmp_path_factory, tasks, tmp_path):
+    from sao.models.tiny import build_tiny_model
+
+    # head_dim 32: one that vLLM's CPU attention accepts (sao/runtime/preflight.py VLLM_CPU_HEAD_DIMS)
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny64"), hidden_size=64, num_layers=1, num_heads=2,
+                                 intermediate_size=64, max_positions=256, seed=0)
+    metrics = train_agent(tmp_path, tasks, model_dir, ["engine.name=vllm", f"engine.python={VLLM_PYTHON}",
+                                                       'engine.server_args=["--enforce-eager"]'])
+    assert live_parity(metrics) and live_parity(metrics)[0] <= 1e-4  # as sao's own check on vLLM's tokens
 
 
 class _Traj:
