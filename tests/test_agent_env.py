@@ -113,6 +113,29 @@ def rewriting_agent(task, base_url, api_key):
     return 0.0
 
 
+def bad_requests_agent(task, base_url, api_key):
+    """Requests the endpoint must refuse (HTTP 4xx, nothing recorded), then one good call."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    good = [{"role": "user", "content": task["prompt"]}]
+    for kwargs, error in [({"messages": ["not a message"]}, openai.BadRequestError),
+                          ({"messages": good, "n": 2}, openai.BadRequestError),
+                          ({"messages": good, "stream": True}, openai.BadRequestError)]:
+        try:
+            client.chat.completions.create(model="sao", **kwargs)
+            raise AssertionError(f"served {kwargs}")
+        except error:
+            pass
+    try:
+        openai.OpenAI(base_url=base_url, api_key="sao-wrong", max_retries=0).chat.completions.create(
+            model="sao", messages=good)
+        raise AssertionError("served a wrong key")
+    except openai.AuthenticationError:
+        pass
+    assert [m.id for m in client.models.list()] == ["sao"]
+    client.chat.completions.create(model="sao", messages=good, max_tokens=3)
+    return 1.0
+
+
 def completions_agent(task, base_url, api_key):
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     prompt = task["prompt"]
@@ -223,6 +246,14 @@ def test_rewritten_history_is_refused_and_counted(tiny, tasks):
     (p1, g1), (p2, g2) = engine.gens
     assert traj.token_ids == p2 + g2.token_ids and p2[: len(p1) + len(g1.token_ids)] == p1 + g1.token_ids
     assert len(engine.gens) == 2  # the refused call generated nothing and appended nothing
+
+
+def test_bad_requests_are_refused_and_record_nothing(tiny, tasks):
+    model, codec = tiny
+    engine = Recording(TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=4, seed=0))
+    traj, _ = run(tasks, "bad_requests_agent", engine, codec)
+    assert (traj.status, traj.turns, len(engine.gens)) == (Status.OK, 1, 1), traj.status_reason
+    assert traj.token_ids == engine.gens[0][0] + engine.gens[0][1].token_ids
 
 
 def test_completions_and_async_agents(tiny, tasks):

@@ -142,6 +142,40 @@ def test_json_actions_the_action_model_rejects_are_observations(tiny, letters, s
         assert (traj.status, traj.reward, traj.turns, traj.metrics) == (Status.OK, 0.0, 1, {"openenv/invalid_action": 1.0})
 
 
+SINGLE_THREAD = '''
+    import threading
+
+    from letters_env.server.letters_environment import LettersEnvironment
+
+    THREADS = set()
+
+
+    class OneThreadLetters(LettersEnvironment):
+        REQUIRES_SINGLE_THREAD_EXECUTOR = True
+
+        def reset(self, *args, **kwargs):
+            THREADS.add(threading.get_ident())
+            return super().reset(*args, **kwargs)
+
+        def step(self, *args, **kwargs):
+            THREADS.add(threading.get_ident())
+            return super().step(*args, **kwargs)
+'''
+
+
+def test_an_environment_that_needs_one_thread_gets_one(tiny, letters, tmp_path, monkeypatch):
+    _, codec = tiny
+    (tmp_path / "one_thread_env.py").write_text(textwrap.dedent(SINGLE_THREAD))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import one_thread_env
+
+    environment = make_environment("openenv", {"env_class": "one_thread_env:OneThreadLetters", "action_tag": "",
+                                               "action_field": "text", "env_kwargs": {"rounds": 3}}, seed=0)
+    traj, _ = episode(environment, codec, ["a", "b", "c"])
+    assert (traj.status, traj.turns) == (Status.OK, 3)
+    assert len(one_thread_env.THREADS) == 1  # reset and every step on the episode's one executor thread
+
+
 SLOW_APP = '''
     import os
     import time

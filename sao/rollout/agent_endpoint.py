@@ -101,7 +101,11 @@ class AgentSession:
 
     def _render(self, messages: list[dict], tools, generation: bool) -> str:
         extra = {"tools": tools} if tools else {}
-        return self.codec.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **extra)
+        try:
+            return self.codec.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation,
+                                                            **extra)
+        except Exception as exc:  # jinja's TemplateError, a template's raise_exception(...), a bad message shape
+            raise Refused(400, f"the chat template cannot render these messages: {exc}"[:500], "invalid_request") from None
 
     def _rewritten(self, why: str) -> Refused:
         self.rewrites += 1
@@ -122,22 +126,21 @@ class AgentSession:
     def chat_prompt(self, messages: list[dict], tools) -> list[int]:
         """The tokens of the messages this call adds (the whole prompt on the first call); nothing is
         appended before the call is accepted."""
-        if not messages:
-            raise Refused(400, "messages: empty", "invalid_request")
+        if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise Refused(400, "messages: a non-empty list of {role, content} objects", "invalid_request")
         n = len(self.messages)
         if n == 0:
             return self.codec.encode(self._render(messages, tools, True))
-        else:
-            if len(messages) <= n or [same_message(m) for m in messages[:n]] != self.messages:
-                raise self._rewritten("the first messages differ from the episode's so far")
-            before = self._render(messages[:n], tools, False)
-            after = self._render(messages, tools, True)
-            end = before.rfind(self.codec.eos_text)
-            cut = end + len(self.codec.eos_text)
-            if end < 0 or after[:cut] != before[:cut]:
-                raise self._rewritten("the chat template renders the earlier turns differently (tools changed?)")
-            close = [] if self.traj.token_ids[-1] == self.codec.eos_id else [self.codec.eos_id]  # a reply cut at
-            return close + self.codec.encode(after[cut:])  # max_tokens: its turn is closed by an unsampled eos
+        if len(messages) <= n or [same_message(m) for m in messages[:n]] != self.messages:
+            raise self._rewritten("the first messages differ from the episode's so far")
+        before = self._render(messages[:n], tools, False)
+        after = self._render(messages, tools, True)
+        end = before.rfind(self.codec.eos_text)
+        cut = end + len(self.codec.eos_text)
+        if end < 0 or after[:cut] != before[:cut]:
+            raise self._rewritten("the chat template renders the earlier turns differently (tools changed?)")
+        close = [] if self.traj.token_ids[-1] == self.codec.eos_id else [self.codec.eos_id]  # a reply cut at
+        return close + self.codec.encode(after[cut:])  # max_tokens: its turn is closed by an unsampled eos
 
     def text_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
