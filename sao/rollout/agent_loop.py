@@ -12,6 +12,8 @@ An exception raised by the environment ends only this episode (status `env_error
 a step past `step_timeout_s` ends it with status `timeout`; an engine failure (`EngineError`) ends it
 with status `engine_error` (the rollout worker re-runs its task). Every `generate` names the episode
 (`session`), so the engine may keep its KV cache across turns; it is released when the episode ends.
+An env with a `close()` (plain or async; e.g. a client session to an environment server) has it
+called once when the episode ends, whatever its status, under the same timeout; its errors are ignored.
 A plain (synchronous) env step runs in its own daemon thread, not the shared default thread pool:
 a step that never returns holds only its own thread (counted by `hung_steps()`), so later
 episodes keep their capacity.
@@ -88,8 +90,22 @@ async def _call(fn, *args, timeout: float):
     return result
 
 
+async def _close(env: Env, timeout: float) -> None:
+    close = getattr(env, "close", None)
+    if close is None:
+        return
+    try:
+        await _call(close, timeout=timeout)
+    except Exception:  # the episode's status is already decided; a failing close must not change it
+        pass
+
+
 async def run_episode(env: Env, task: Task, engine: Engine, codec: ChatCodec, params: SamplingParams,
                       limits: EpisodeLimits, traj_id: str | None = None) -> Trajectory:
+    if getattr(env, "drives_itself", False):  # env.name=agent: the user's agent owns the loop
+        from sao.rollout.agent_endpoint import run_agent_episode
+
+        return await run_agent_episode(env, task, engine, codec, params, limits, traj_id)
     started = time.time()
     params = replace(params, stop_token_ids=(codec.eos_id,))
     traj = Trajectory(id=traj_id or uuid.uuid4().hex[:12], task_id=task.id, token_ids=[], action_mask=[],
@@ -134,5 +150,6 @@ async def run_episode(env: Env, task: Task, engine: Engine, codec: ChatCodec, pa
         traj.status, traj.status_reason = Status.ENV_ERROR, f"{type(exc).__name__}: {exc}"[:500]
     finally:
         engine.release(traj.id)
+        await _close(env, limits.step_timeout_s)
     traj.finished_at = time.time()
     return traj

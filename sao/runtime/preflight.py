@@ -104,6 +104,8 @@ def preflight(cfg: Config, resume: Path | None = None):
         raise ConfigError(f"env.name: {cfg.env.name!r} declares config_defaults; put those settings in a recipe "
                           "file passed as the config file (examples/configs/)")
     environment.eval_tasks(1)  # a split with an empty side fails here, before anything is written
+    if hasattr(environment, "check_start"):  # e.g. env.name=agent: a command that fails before any call
+        environment.check_start()
     next(iter(environment.train_tasks()))
     model_path_of(cfg)
     if cfg.critic.path and not any((Path(cfg.critic.path) / f).is_file() for f in ("config.json", "adapter_config.json")):

@@ -1,0 +1,164 @@
+"""`agent`: train an agent program that runs its own loop and calls an OpenAI-compatible endpoint.
+
+For each episode sao starts the user's agent with a base URL and an API key of its own; the rollout
+worker serves `/v1/chat/completions` and `/v1/completions` there from its engine and records every
+sampled token (sao/rollout/agent_endpoint.py). The agent is either
+
+    agent   = "module:func"   called as func(task: dict, base_url: str, api_key: str); plain (run in its
+                              own thread, e.g. with the sync `openai` client) or async
+    command = "python my_agent.py --flag"   run with OPENAI_BASE_URL, OPENAI_API_KEY and SAO_TASK (the
+                              task as JSON) in its environment; its last stdout line is its result
+
+Its return value (or last stdout line, parsed as JSON when it can be) is the result: a number is
+the reward, a dict's `reward` key is the reward and its other numbers become trajectory metrics.
+With `reward` set, `func(task: dict, result) -> float` judges the result after the episode instead.
+Tasks come from a file like `env.name=math`'s (env.options.path; the `sao.envs.dataset` options).
+
+This module holds only options, tasks and the per-episode record; the endpoint and the episode
+itself live in `sao.rollout` (environments never import the engine).
+"""
+
+from __future__ import annotations
+
+import http.server
+import importlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from sao.envs.base import EpisodeContext, register_environment
+from sao.envs.dataset import DatasetOptions, load_task_split
+from sao.types import Task
+
+
+class AgentOptions(DatasetOptions):
+    agent: str | None = Field(None, description="`module:func` called once per episode as func(task, base_url, api_key)")
+    command: str | None = Field(None, description=(
+        "a command run once per episode with OPENAI_BASE_URL, OPENAI_API_KEY and SAO_TASK set (shell-style quoting)"))
+    reward: str | None = Field(None, description=(
+        "`module:func` (task dict, agent result) -> float, run after the episode; default: the result itself"))
+    timeout_s: float = Field(300.0, gt=0, description="an episode whose agent runs longer ends with status timeout")
+    tool_parser: Literal["hermes", "none"] = Field("hermes", description=(
+        "how tool calls are read from sampled text: hermes = <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> "
+        "blocks (Qwen, Hermes, SmolLM2 templates); none: never"))
+    on_rewrite: Literal["refuse"] = Field("refuse", description=(
+        "a call whose messages do not extend the episode's earlier messages and replies is answered with "
+        "HTTP 409 and counted (agent/rewrites); a trajectory is one token sequence, so it is never retokenized"))
+    host: str = Field("127.0.0.1", description="address the worker's endpoint listens on")
+
+    @model_validator(mode="after")
+    def _one_agent(self) -> AgentOptions:
+        if (self.agent is None) == (self.command is None):
+            raise ValueError("give exactly one of agent (module:func) and command")
+        return self
+
+
+def import_path(path: str, what: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    if not attr:
+        raise ValueError(f"env.options.{what}: expected module:name, got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"env.options.{what}: cannot import module {module_name!r} ({exc})") from None
+    if not callable(getattr(module, attr, None)):
+        raise ValueError(f"env.options.{what}: module {module_name!r} has no function {attr!r}")
+    return getattr(module, attr)
+
+
+class _StubEndpoint:
+    """A server on 127.0.0.1 that answers every request with HTTP 503 and notes that one came."""
+
+    def __enter__(self) -> _StubEndpoint:
+        called = self.called = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _refuse(self) -> None:
+                called.set()
+                body = b'{"error": {"message": "sao preflight: no model here", "code": "preflight"}}'
+                self.send_response(503)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _refuse
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class AgentEpisode:
+    """What one agent episode needs; `sao.rollout.agent_loop` runs it through the endpoint (it has no
+    reset/step: the agent owns the loop)."""
+
+    drives_itself = True
+
+    def __init__(self, options: AgentOptions, agent, reward_fn, ctx: EpisodeContext) -> None:
+        self.options, self.agent, self.reward_fn, self.ctx = options, agent, reward_fn, ctx
+
+
+class AgentEnvironment:
+    Options = AgentOptions
+
+    def __init__(self, options: AgentOptions, seed: int = 0):
+        self.options, self.seed = options, seed
+        self.split = load_task_split(options)
+        self.agent = import_path(options.agent, "agent") if options.agent else None
+        if options.command:
+            argv = shlex.split(options.command)
+            if not argv or shutil.which(argv[0]) is None:
+                raise ValueError(f"env.options.command: {argv[0] if argv else ''!r} is not an executable on PATH")
+        self.reward_fn = import_path(options.reward, "reward") if options.reward else None
+
+    def check_start(self, timeout_s: float = 60.0) -> None:
+        """A command agent is run once on the first training task against a stub endpoint that answers
+        every call with HTTP 503: exiting non-zero before any call is a broken command (a ValueError, one
+        line), refused before the run starts instead of failing every episode. Once it calls, it is stopped."""
+        if not self.options.command:
+            return
+        task = next(iter(self.split.train))
+        with _StubEndpoint() as stub:
+            env = {**os.environ, "OPENAI_BASE_URL": stub.base_url, "OPENAI_API_KEY": "sao-preflight",
+                   "SAO_TASK": json.dumps({"id": task.id, "prompt": task.prompt, "answer": task.answer,
+                                           "meta": task.meta}, default=str)}
+            proc = subprocess.Popen(shlex.split(self.options.command), env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+            deadline = time.monotonic() + min(timeout_s, self.options.timeout_s)
+            while proc.poll() is None and not stub.called.is_set() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if proc.poll() is None:
+                proc.kill()
+            err = proc.communicate()[1]
+        if proc.returncode and not stub.called.is_set():
+            last = (err.strip().splitlines() or [""])[-1][:200]
+            raise ValueError(f"env.options.command: exited with {proc.returncode} before calling the model: {last}")
+
+    def train_tasks(self) -> Iterator[Task]:
+        return self.split.train_stream(self.seed)
+
+    def eval_tasks(self, n: int) -> list[Task]:
+        return self.split.eval_tasks(n)
+
+    def new_episode(self, ctx: EpisodeContext) -> AgentEpisode:
+        return AgentEpisode(self.options, self.agent, self.reward_fn, ctx)
+
+
+register_environment("agent", AgentEnvironment)
