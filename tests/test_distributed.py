@@ -1,0 +1,136 @@
+"""N trainer ranks equal one process: real gloo process groups on 127.0.0.1 (sao/trainer/distributed.py).
+
+Each case takes two optimizer steps (a critic warm-up step, then a full step) on one batch whose
+trajectories have uneven real token counts, so every rank holds a different number of action
+tokens; the actor and critic weights after the steps and every logged metric must match the
+one-process `Learner` on the whole batch.
+"""
+
+import math
+
+import torch
+
+from sao.algo.registry import get_algorithm
+from sao.config import AlgoConfig, CriticConfig, LoraSettings, TrainConfig
+from sao.trainer.batch import collate
+from sao.trainer.launch import spawn_ranks
+from sao.trainer.learner import Learner
+from sao.types import Trajectory
+
+# name -> (algorithm, AlgoConfig overrides, LoRA rank of the actor and the critic)
+CASES = {
+    "sao": ("sao", {}, 0),
+    "grpo": ("grpo", {"group_size": 2, "ppo_minibatches": 2}, 0),
+    "vapo": ("vapo", {"ppo_minibatches": 3}, 0),
+    "running_mean": ("running_mean", {}, 0),
+    "sao_lora": ("sao", {}, 4),
+}
+TIMEOUT_S = 60  # a rank that hangs fails the test in a minute, not the 10-minute default
+
+
+def _models(model_dir, lora: int):
+    from sao.models.critic import build_critic
+    from sao.models.lora import with_lora
+    from sao.models.tiny import load_model
+
+    torch.manual_seed(0)
+    actor = with_lora(load_model(model_dir), LoraSettings(r=lora))
+    critic = with_lora(build_critic(model_dir), LoraSettings(r=lora), value_head=True)
+    return actor, critic
+
+
+def _batch(actor, n: int = 6, group_size: int = 2):
+    """n trajectories of 6..30 tokens, one or two turns; behavior log-probs = the actor's own + noise,
+    so DIS masks some tokens on both sides."""
+    from sao.models.actor import sequence_logprobs
+
+    gen = torch.Generator().manual_seed(1)
+    trajs = []
+    for i in range(n):
+        p, a = int(torch.randint(3, 8, (1,), generator=gen)), int(torch.randint(2, 22, (1,), generator=gen))
+        ids = torch.randint(3, 40, (p + a,), generator=gen).tolist()
+        mask = [0] * p + [1] * a
+        if i % 3 == 0 and a > 6:  # a second turn: an observation in the middle of the action tokens
+            mask[p + 3:p + 5] = [0, 0]
+        with torch.no_grad():
+            lp = sequence_logprobs(actor, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+        lp = lp + 0.4 * torch.randn(len(ids), generator=gen)
+        trajs.append(Trajectory(str(i), f"g{i // group_size}", ids, mask, [x * m for x, m in zip(lp.tolist(), mask)],
+                                [0 if m else -1 for m in mask], p, reward=float(i % 3 == 1) + 0.1 * i))
+    return collate(trajs, pad_id=0)
+
+
+def _configs(case: str):
+    algo, overrides, lora = CASES[case]
+    return (get_algorithm(algo), AlgoConfig(name=algo, **overrides), CriticConfig(warmup_steps=1),
+            TrainConfig(lr=1e-3), lora)
+
+
+def _run(learner, batch) -> list[dict]:
+    return [learner.step(batch) for _ in range(2)]
+
+
+def _one_process(model_dir, case: str) -> dict:
+    algo, algo_cfg, critic_cfg, train_cfg, lora = _configs(case)
+    actor, critic = _models(model_dir, lora)
+    batch = _batch(actor)
+    learner = Learner(actor, critic if algo.uses_critic else None, algo, algo_cfg, critic_cfg, train_cfg)
+    metrics = _run(learner, batch)
+    from sao.models.lora import engine_parameters
+
+    critic_w = [p.detach().clone() for p in critic.parameters()] if algo.uses_critic else []
+    return {"metrics": metrics, "actor": [p.detach().clone() for p in engine_parameters(actor)], "critic": critic_w}
+
+
+def _rank(rank: int, world: int, port: int, model_dir, cases: list[str], out_dir) -> None:
+    """One trainer rank: every case on the full batch; rank 0 writes what it gathered."""
+    from sao.trainer.distributed import DistributedLearner, init_ranks
+
+    torch.set_num_threads(1)  # two ranks on two cores
+    init_ranks(rank, world, port, timeout_s=TIMEOUT_S)
+    results = {}
+    for case in cases:
+        algo, algo_cfg, critic_cfg, train_cfg, lora = _configs(case)
+        actor, critic = _models(model_dir, lora)
+        batch = _batch(actor)
+        learner = DistributedLearner(actor, critic if algo.uses_critic else None, algo, algo_cfg, critic_cfg,
+                                     train_cfg)
+        metrics = _run(learner, batch)
+        critic_w = [p.full_tensor().detach() for p in learner.critic.parameters()] if algo.uses_critic else []
+        results[case] = {"metrics": metrics, "actor": learner.export_weights(bucket_bytes=64 * 1024),
+                         "critic": critic_w, "rows": learner._rows}
+    if rank == 0:
+        torch.save(results, f"{out_dir}/ranks.pt")
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _same_metrics(one: dict, many: dict) -> list[str]:
+    bad = []
+    for k in sorted(set(one) | set(many)):
+        if k.startswith("perf/") and k != "perf/train_tokens":
+            continue  # timings, and packed positions that depend on each rank's rows
+        a, b = one.get(k), many.get(k)
+        if a is None or b is None or not (math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5)
+                                          or (math.isnan(a) and math.isnan(b))):
+            bad.append(f"{k}: {a} vs {b}")
+    return bad
+
+
+def _max_diff(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
+    assert len(xs) == len(ys) and all(x.shape == y.shape for x, y in zip(xs, ys))
+    return max((float((x - y).abs().max()) for x, y in zip(xs, ys) if x.numel()), default=0.0)
+
+
+def test_two_ranks_equal_one_process(tiny_model_dir, tmp_path):
+    cases = list(CASES)
+    spawn_ranks(_rank, 2, str(tiny_model_dir), cases, str(tmp_path))
+    ranks = torch.load(tmp_path / "ranks.pt")
+    for case in cases:
+        one, two = _one_process(tiny_model_dir, case), ranks[case]
+        assert len(two["rows"]) not in (0, 6), case  # the batch really was split
+        for s, (m1, m2) in enumerate(zip(one["metrics"], two["metrics"])):
+            assert not _same_metrics(m1, m2), (case, s, _same_metrics(m1, m2))
+        assert _max_diff(one["actor"], two["actor"]) < 1e-5, case
+        assert _max_diff(one["critic"], two["critic"]) < 1e-5, case
