@@ -81,7 +81,8 @@ def shard_rows(token_counts: list[int], group_ids: list[str] | None, world: int)
 
 def shard_model(model: torch.nn.Module, mesh, mixed_precision: bool) -> torch.nn.Module:
     """`fully_shard` every decoder layer, then the root; gradients summed over ranks, not averaged
-    (the losses already divide by the global token count)."""
+    (the losses already divide by the global token count). The shards move to the mesh's device (a
+    CUDA mesh puts only 1/N of the model on each GPU); the whole model passes through host memory once."""
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
           else MixedPrecisionPolicy())
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
@@ -108,9 +109,6 @@ class DistributedLearner(Learner):
         cuda = dist.get_backend() == "nccl"
         mixed_precision = cuda if mixed_precision is None else mixed_precision
         mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
-        if cuda:
-            actor = actor.cuda()
-            critic = critic.cuda() if critic is not None else None
         if algo.uses_critic and critic is not None:
             # frozen before sharding, so FSDP sees which parameters train (Learner freezes the same ones again)
             freeze = critic_cfg.freeze_attention if algo.freeze_attention is None else algo.freeze_attention
