@@ -224,3 +224,28 @@ def test_export_and_checkpoints_across_rank_counts(tiny_model_dir, tmp_path):
     load_sharded(fresh, tmp_path / "two")  # 2 -> 1
     assert not _bit_exact(ranks["saved"], full_state(fresh))
     assert (fresh.actor_version, fresh.critic_version, fresh.steps_done) == (2, 6, 3)
+
+
+def _dying_rank(rank: int, world: int, port: int) -> None:
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from sao.trainer.distributed import init_ranks
+
+    init_ranks(rank, world, port, timeout_s=5)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.zeros(1))  # rank 0 waits for a rank that is gone
+
+
+def test_a_dead_rank_stops_the_others_and_is_named():
+    import time
+
+    from sao.trainer.launch import RankFailed
+
+    t = time.monotonic()
+    with pytest.raises(RankFailed, match="trainer rank 1 exited .*SIGKILL"):
+        spawn_ranks(_dying_rank, 2)
+    assert time.monotonic() - t < 30

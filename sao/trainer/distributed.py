@@ -1,4 +1,4 @@
-"""The learner on N data-parallel ranks with FSDP2 (docs/architecture.md "The trainer on N ranks").
+"""The learner on N data-parallel ranks with FSDP2 (docs/architecture.md §8).
 
     ranks     one process each, joined by torch.distributed (gloo on CPU, NCCL on GPU), with a
               collective timeout (`init_ranks`)
@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from sao.algo.registry import Algorithm
 from sao.config import AlgoConfig, CriticConfig, TrainConfig
+from sao.device import to_device
 from sao.models.critic import freeze_parameters
 from sao.models.lora import engine_parameters
 from sao.trainer.batch import Batch
@@ -151,10 +152,7 @@ class DistributedLearner(Learner):
     def _update(self, batch: Batch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None):
         if batch.size == 0:  # no row of this minibatch here: join the collectives with a row of no action token
             row = self._local.rows(torch.tensor([0]))
-            batch = dataclasses.replace(row, action_mask=torch.zeros_like(row.action_mask))
-            batch = dataclasses.replace(batch, **{f: getattr(batch, f).to(self.device)
-                                                  for f in ("input_ids", "attention_mask", "action_mask",
-                                                            "behavior_logprobs", "rewards")})
+            batch = to_device(dataclasses.replace(row, action_mask=torch.zeros_like(row.action_mask)), self.device)
             advantages = torch.zeros_like(batch.action_mask)
             old_logprobs = None if old_logprobs is None else torch.zeros_like(batch.action_mask)
         return super()._update(batch, advantages, old_logprobs)
