@@ -10,6 +10,7 @@ attention, DIS), fp32 on CPU, on one batch of `--batch` trajectories of ~`--toke
 Per rank (every figure is the largest over ranks):
     state_mb        parameters + gradients + AdamW states this rank holds (its shards), exact
     train_peak_mb   peak RSS while training (reset after the models are built and sharded)
+    export_peak_mb  peak RSS once the weights were exported, streamed (rank 0: one 256 MiB bucket at a time)
     init_peak_mb    peak RSS of the whole process (the models pass through host memory whole at init)
     base_mb         RSS after imports, before any model
     step_s          mean wall time of an optimizer step after one warm-up step
@@ -23,6 +24,7 @@ import argparse
 import ctypes
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -80,7 +82,7 @@ def _batch(actor, n: int, tokens: int):
 def _state_mb(learner) -> float:
     """Bytes this rank holds for parameters, gradients and AdamW states (local shards only)."""
     total = 0
-    for model, opt in ((learner.actor, learner.actor_opt), (learner.critic, learner.critic_opt)):
+    for model in (learner.actor, learner.critic):
         for p in model.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
             total += local.numel() * local.element_size() * (1 + 3 * p.requires_grad)  # + grad, exp_avg, exp_avg_sq
@@ -115,6 +117,7 @@ def _rank(rank: int, world: int, port: int, hidden: int, layers: int, args: dict
         t = time.perf_counter()
         learner.step(batch)
         times.append(time.perf_counter() - t)
+    train_peak = _rss_mb("VmHWM")  # before the export, which adds a bucket of full weights on rank 0
     t = time.perf_counter()
     if world == 1:
         from sao.models.lora import engine_parameters
@@ -125,8 +128,8 @@ def _rank(rank: int, world: int, port: int, hidden: int, layers: int, args: dict
 
         _, n = timed_export(learner)
     export_s = time.perf_counter() - t
-    row = {"rank": rank, "base_mb": base, "state_mb": _state_mb(learner), "train_peak_mb": _rss_mb("VmHWM"),
-           "init_peak_mb": init_peak, "step_s": sum(times) / len(times), "export_s": export_s,
+    row = {"rank": rank, "base_mb": base, "state_mb": _state_mb(learner), "train_peak_mb": train_peak,
+           "export_peak_mb": _rss_mb("VmHWM"), "init_peak_mb": init_peak, "step_s": sum(times) / len(times), "export_s": export_s,
            "export_mb": n / 2**20, "actor_params_m": params / 1e6}
     Path(f"{out}.{rank}.json").write_text(json.dumps(row))
 
@@ -139,7 +142,8 @@ def measure(hidden: int, layers: int, world: int, args: dict, tmp: Path) -> dict
     rows = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(world)]
     mb = rows[0]["export_mb"]
     return {"size": f"{hidden}x{layers}", "actor_params_m": round(rows[0]["actor_params_m"], 1), "ranks": world,
-            **{k: round(max(r[k] for r in rows), 1) for k in ("base_mb", "state_mb", "train_peak_mb", "init_peak_mb")},
+            **{k: round(max(r[k] for r in rows), 1)
+               for k in ("base_mb", "state_mb", "train_peak_mb", "init_peak_mb", "export_peak_mb")},
             "step_s": round(max(r["step_s"] for r in rows), 2),
             "export_s_per_mb": round(max(r["export_s"] for r in rows) / mb, 5) if mb else None}
 
@@ -155,6 +159,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads shared by the ranks")
     a = ap.parse_args()
+    # glibc keeps freed heap blocks (and raises its mmap threshold after each large free), so RSS would
+    # remember tensors long gone (the whole models before sharding, all-gather buffers); a fixed
+    # threshold maps every tensor over 1 MiB on its own, and RSS follows the live tensors
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
     args = {"batch": a.batch, "tokens": a.tokens, "steps": a.steps, "threads": a.threads}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,7 +172,8 @@ def main() -> None:
                 rows.append(measure(hidden, layers, world, args, Path(tmp)))
                 print(rows[-1], flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"args": args, "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
+    meta = {"args": args, "malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"], "torch": torch.__version__}
+    RESULTS.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     cols = [c for c in rows[0] if c != "size"]
     print("| size | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
     for r in rows:

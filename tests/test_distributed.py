@@ -23,7 +23,7 @@ CASES = {
     "sao": ("sao", {}, 0),
     "grpo": ("grpo", {"group_size": 2, "ppo_minibatches": 2}, 0),
     "vapo": ("vapo", {"ppo_minibatches": 3}, 0),
-    "running_mean": ("running_mean", {}, 0),
+    "running_mean": ("running_mean", {"entropy_coef": 0.01}, 0),  # the entropy bonus too
     "sao_lora": ("sao", {}, 4),
 }
 TIMEOUT_S = 60  # a rank that hangs fails the test in a minute, not the 10-minute default
@@ -105,6 +105,16 @@ def _rank(rank: int, world: int, port: int, model_dir, cases: list[str], out_dir
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def test_shard_rows_balances_tokens_keeps_groups_whole_and_feeds_every_rank():
+    from sao.trainer.distributed import shard_rows
+
+    assert shard_rows([10, 1, 1, 1, 1, 10], None, 2) == [[0, 1, 2], [3, 4, 5]]  # 12 tokens each
+    assert shard_rows([5] * 6, ["a", "a", "b", "b", "c", "c"], 2) == [[0, 1, 2, 3], [4, 5]]  # groups whole
+    assert shard_rows([100, 1, 1], None, 3) == [[0], [1], [2]]  # a rank with few tokens still gets a row
+    with pytest.raises(ValueError, match="2 groups cannot be split over 3"):
+        shard_rows([5] * 4, ["a", "a", "b", "b"], 3)
 
 
 def _same_metrics(one: dict, many: dict) -> list[str]:
