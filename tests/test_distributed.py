@@ -259,3 +259,45 @@ def test_a_dead_rank_stops_the_others_and_is_named():
     with pytest.raises(RankFailed, match="trainer rank 1 exited .*SIGKILL"):
         spawn_ranks(_dying_rank, 2)
     assert time.monotonic() - t < 30
+
+
+def _build(model_dir, case: str):
+    """A rank's learner for `case` (rank 0 in the test process, the followers in spawned ones)."""
+    from sao.trainer.distributed import DistributedLearner
+
+    torch.set_num_threads(1)
+    algo, algo_cfg, critic_cfg, train_cfg, lora = _configs(case)
+    actor, critic = _models(model_dir, lora)
+    return DistributedLearner(actor, critic if algo.uses_critic else None, algo, algo_cfg, critic_cfg, train_cfg)
+
+
+def test_rank_zero_drives_followers_and_names_a_dead_one(tiny_model_dir, tmp_path):
+    """The runtime's view: one trainer object in this process (rank 0) whose calls run on every rank;
+    killing a follower fails the next call with the rank's name, and nothing is left running."""
+    import os
+    import signal
+    import time
+
+    from sao.trainer.launch import RankFailed
+    from sao.trainer.ranks import start_trainer_ranks
+
+    one = _one_process(tiny_model_dir, "vapo")
+    driver = start_trainer_ranks(2, _build, (str(tiny_model_dir), "vapo"), timeout_s=TIMEOUT_S)
+    try:
+        batch = _batch(_models(tiny_model_dir, 0)[0])
+        metrics = [driver.step(batch) for _ in range(2)]
+        assert not _same_metrics(one["metrics"][1], metrics[1])
+        assert _max_diff(one["actor"], driver.export_weights()) < 1e-5
+        assert driver.version == 1
+        driver.save(tmp_path / "ckpt")
+        assert (tmp_path / "ckpt" / "trainer.json").is_file()
+        follower = driver.followers[0]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join()
+        t = time.monotonic()
+        with pytest.raises(RankFailed, match="trainer rank 1 exited with code -9"):
+            driver.step(batch)
+        assert time.monotonic() - t < TIMEOUT_S + 5
+    finally:
+        driver.close(abort=True)
+    assert not any(p.is_alive() for p in driver.followers)
