@@ -3,7 +3,8 @@
 Each case takes two optimizer steps (a critic warm-up step, then a full step) on one batch whose
 trajectories have uneven real token counts, so every rank holds a different number of action
 tokens; the actor and critic weights after the steps and every logged metric must match the
-one-process `Learner` on the whole batch.
+one-process `Learner` on the whole batch. The same step in bf16 (FSDP mixed precision, the GPU
+layout) stays within 1% of fp32.
 """
 
 import math
@@ -100,6 +101,11 @@ def _rank(rank: int, world: int, port: int, model_dir, cases: list[str], out_dir
         critic_w = [p.full_tensor().detach() for p in learner.critic.parameters()] if algo.uses_critic else []
         results[case] = {"metrics": metrics, "actor": learner.export_weights(bucket_bytes=64 * 1024),
                          "critic": critic_w, "rows": learner._rows}
+    algo, algo_cfg, critic_cfg, train_cfg, _ = _configs("sao")  # the GPU layout: bf16 params, fp32 reduce
+    actor, critic = _models(model_dir, 0)
+    batch = _batch(actor)
+    learner = DistributedLearner(actor, critic, algo, algo_cfg, critic_cfg, train_cfg, mixed_precision=True)
+    results["sao_bf16"] = {"metrics": _run(learner, batch)}
     if rank == 0:
         torch.save(results, f"{out_dir}/ranks.pt")
     import torch.distributed as dist
@@ -145,6 +151,11 @@ def test_two_ranks_equal_one_process(tiny_model_dir, tmp_path):
             assert not _same_metrics(m1, m2), (case, s, _same_metrics(m1, m2))
         assert _max_diff(one["actor"], two["actor"]) < 1e-5, case
         assert _max_diff(one["critic"], two["critic"]) < 1e-5, case
+    # bf16 compute (FSDP MixedPrecisionPolicy, as on GPU): really in bf16, and close to fp32
+    fp32, bf16 = ranks["sao"]["metrics"][1], ranks["sao_bf16"]["metrics"][1]
+    assert fp32["critic/value_loss"] != bf16["critic/value_loss"]
+    for k in ("critic/value_loss", "critic/grad_norm", "adv/mean_raw", "loss/policy", "actor/grad_norm", "dis/ratio_mean"):
+        assert math.isclose(fp32[k], bf16[k], rel_tol=1e-2), (k, fp32[k], bf16[k])
 
 
 def _flat(state, prefix=""):
