@@ -224,7 +224,7 @@ def _checkpoint_rank(rank: int, world: int, port: int, model_dir, out_dir) -> No
     dist.destroy_process_group()
 
 
-@pytest.mark.slow  # ~30 s here: two spawned ranks, three DCP round trips
+@pytest.mark.slow  # 14-32 s here (by load): two spawned ranks, three DCP round trips
 def test_export_and_checkpoints_across_rank_counts(tiny_model_dir, tmp_path):
     """Bucketed export from shards is exact; a DCP checkpoint saved at 1 rank loads at 2 and one saved
     at 2 loads at 1, bit for bit (models, both AdamW states, counters)."""
