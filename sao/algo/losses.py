@@ -1,10 +1,14 @@
-"""Policy and value losses. Each returns `(loss, metrics)`; metrics are detached floats."""
+"""Policy and value losses. Each returns `(loss, metrics)`; metrics are detached floats.
+
+With a distributed `reduce` (sao/algo/core.py) the loss is this rank's share (local sum / global token
+count) and every metric is global, so N ranks reproduce one process (sao/trainer/distributed.py).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from sao.algo.core import masked_mean
+from sao.algo.core import LOCAL, Reducer, masked_mean, token_count, token_mean_loss
 
 
 def dis_policy_loss(
@@ -14,6 +18,7 @@ def dis_policy_loss(
     action_mask: torch.Tensor,  # (B, T)
     eps_low: float,
     eps_high: float,
+    reduce: Reducer = LOCAL,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Direct double-sided importance sampling (docs/algorithm.md §3, paper Eqs. 1-3).
 
@@ -32,15 +37,15 @@ def dis_policy_loss(
     keep = ~low & ~high & on
     weight = torch.where(keep, ratio, 0.0).detach()
     pg_terms = torch.where(keep, weight * advantages.detach() * logprobs, 0.0)
-    pg_loss = -pg_terms.sum() / action_mask.sum().clamp(min=1)
+    pg_loss = -pg_terms.sum() / token_count(action_mask, reduce)
     # approx KL(pi_rollout || pi_theta), k3 estimator over tokens sampled from pi_rollout: (r - 1) - log r
-    approx_kl = masked_mean(torch.where(on, ratio - 1.0 - logratio, 0.0), action_mask)
+    approx_kl = masked_mean(torch.where(on, ratio - 1.0 - logratio, 0.0), action_mask, reduce)
     metrics = {
-        "dis/masked_low_frac": float(masked_mean(low.float(), action_mask)),
-        "dis/masked_high_frac": float(masked_mean(high.float(), action_mask)),
-        "dis/ratio_mean": float(masked_mean(ratio, action_mask)),
+        "dis/masked_low_frac": float(masked_mean(low.float(), action_mask, reduce)),
+        "dis/masked_high_frac": float(masked_mean(high.float(), action_mask, reduce)),
+        "dis/ratio_mean": float(masked_mean(ratio, action_mask, reduce)),
         "dis/approx_kl": float(approx_kl),
-        "loss/policy": float(pg_loss.detach()),
+        "loss/policy": float(reduce.sum(pg_loss.detach())),
     }
     return pg_loss, metrics
 
@@ -52,18 +57,19 @@ def ppo_clip_loss(
     action_mask: torch.Tensor,  # (B, T)
     eps_low: float = 0.2,
     eps_high: float = 0.28,
+    reduce: Reducer = LOCAL,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clip(-higher) surrogate against pi_old, token-mean over action tokens (GRPO, VAPO)."""
     logratio = logprobs - old_logprobs
     ratio = torch.exp(logratio)
     surr1 = ratio * advantages
     surr2 = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    pg_loss = masked_mean(-torch.minimum(surr1, surr2), action_mask)
+    pg_loss = token_mean_loss(-torch.minimum(surr1, surr2), action_mask, reduce)
     clipped = ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)).float()
     metrics = {
-        "ppo/clipfrac": float(masked_mean(clipped, action_mask)),
-        "ppo/approx_kl": float(masked_mean((ratio - 1) - logratio, action_mask).detach()),
-        "loss/policy": float(pg_loss.detach()),
+        "ppo/clipfrac": float(masked_mean(clipped, action_mask, reduce)),
+        "ppo/approx_kl": float(masked_mean(((ratio - 1) - logratio).detach(), action_mask, reduce)),
+        "loss/policy": float(reduce.sum(pg_loss.detach())),
     }
     return pg_loss, metrics
 
@@ -74,11 +80,12 @@ def value_loss(
     action_mask: torch.Tensor,  # (B, T)
     old_values: torch.Tensor | None = None,
     clip: float | None = None,
+    reduce: Reducer = LOCAL,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-mean MSE (V - R)^2 over action tokens (docs/algorithm.md §5); optional PPO-style value clipping."""
     err = (values - returns) ** 2
     if clip is not None and old_values is not None:
         clipped = old_values + (values - old_values).clamp(-clip, clip)
         err = torch.maximum(err, (clipped - returns) ** 2)
-    loss = 0.5 * masked_mean(err, action_mask)
-    return loss, {"critic/value_loss": float(loss.detach())}
+    loss = 0.5 * token_mean_loss(err, action_mask, reduce)
+    return loss, {"critic/value_loss": float(reduce.sum(loss.detach()))}

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from sao.algo.baselines import RunningMeanBaseline, group_advantages
-from sao.algo.core import explained_variance, masked_mean, masked_var, masked_whiten
+from sao.algo.core import LOCAL, explained_variance, masked_mean, masked_var, masked_whiten, token_mean_loss
 from sao.algo.gae import length_adaptive_lambda, skip_observation_gae, step_level_gae, step_level_values
 from sao.algo.losses import dis_policy_loss, ppo_clip_loss, value_loss
 from sao.algo.registry import Algorithm
@@ -74,6 +74,7 @@ class Learner:
         self.skipped_total = 0  # optimizer updates skipped for a non-finite loss or gradient
         self.consecutive_skipped = 0  # steps in a row with a skipped update
         self.skipped_in_step = 0
+        self.reduce = LOCAL  # global sums over trainer ranks (sao/trainer/distributed.py); identity here
         # called before each model pass: the async loop sets the thread count by what the rollout side
         # is doing (sao/runtime/threads.py); it only reads a counter, never receives. None in sync mode
         self.before_pass: Callable[[], None] | None = None
@@ -121,13 +122,13 @@ class Learner:
         v0 = v.detach()
         t = _lap(metrics, "perf/critic_forward_s", t)
         _, returns = skip_observation_gae(batch.rewards, v0, mask, cfg.gamma, 1.0)
-        metrics["critic/explained_variance"] = explained_variance(v0, returns, mask)
+        metrics["critic/explained_variance"] = explained_variance(v0, returns, mask, self.reduce)
         t = _lap(metrics, "perf/gae_s", t)
         for k in range(self.critic_updates):  # step 2
             if k > 0:
                 v = self._values(batch)
                 t = _lap(metrics, "perf/critic_forward_s", t)
-            loss, m = value_loss(v, returns, mask, old_values=v0, clip=self.critic_cfg.value_clip)
+            loss, m = value_loss(v, returns, mask, old_values=v0, clip=self.critic_cfg.value_clip, reduce=self.reduce)
             gn = self._apply(self.critic_opt, loss, self.critic_cfg.grad_clip)
             self.critic_version += gn is not None
             t = _lap(metrics, "perf/critic_backward_s", t)  # backward + clip + optimizer step
@@ -143,9 +144,9 @@ class Learner:
             advantages, _ = skip_observation_gae(batch.rewards, v2, mask, cfg.gamma, lam)
         _lap(metrics, "perf/gae_s", t)
         metrics["critic/version"] = self.critic_version
-        metrics["critic/value_mean"] = float(masked_mean(v2, mask))
-        metrics["critic/return_mean"] = float(masked_mean(returns, mask))
-        metrics["critic/lambda_policy_mean"] = float(lam.mean())
+        metrics["critic/value_mean"] = float(masked_mean(v2, mask, self.reduce))
+        metrics["critic/return_mean"] = float(masked_mean(returns, mask, self.reduce))
+        metrics["critic/lambda_policy_mean"] = float(self.reduce.mean(lam))
         return advantages
 
     def _baseline_advantages(self, batch: Batch) -> torch.Tensor:
@@ -165,7 +166,7 @@ class Learner:
         the loss or the gradient is not finite (no step: weights and optimizer state stay as they were)."""
         opt.zero_grad(set_to_none=True)
         params = [p for group in opt.param_groups for p in group["params"]]
-        if torch.isfinite(loss.detach()):
+        if torch.isfinite(self.reduce.sum(loss.detach())):  # every rank takes the same branch
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(params, clip)
             if torch.isfinite(gn):
@@ -203,15 +204,15 @@ class Learner:
         t0 = time.perf_counter()
         mask = batch.action_mask
         self.skipped_in_step = 0
-        metrics: dict[str, float] = {"reward/mean": float(batch.scalar_rewards.mean())}
+        metrics: dict[str, float] = {"reward/mean": float(self.reduce.mean(batch.scalar_rewards))}
         if self.algo.uses_critic:
             advantages = self._critic_phase(batch, metrics)
         else:
             advantages = self._baseline_advantages(batch)
-        metrics["adv/mean_raw"] = float(masked_mean(advantages, mask))
-        metrics["adv/std_raw"] = float(masked_var(advantages, mask).clamp(min=0).sqrt())
+        metrics["adv/mean_raw"] = float(masked_mean(advantages, mask, self.reduce))
+        metrics["adv/std_raw"] = float(masked_var(advantages, mask, self.reduce).clamp(min=0).sqrt())
         if self.algo_cfg.whiten_advantages and self.algo.uses_critic:
-            advantages = masked_whiten(advantages, mask, min_std=self.algo_cfg.whiten_min_std)
+            advantages = masked_whiten(advantages, mask, min_std=self.algo_cfg.whiten_min_std, reduce=self.reduce)
         warmup = self.in_warmup
         metrics["train/critic_warmup"] = float(warmup)
         if not warmup:  # step 4
@@ -222,9 +223,9 @@ class Learner:
         self.steps_done += 1
         self._guard(metrics)
         metrics["perf/train_step_s"] = time.perf_counter() - t0
-        metrics["perf/train_tokens"] = float(batch.attention_mask.sum())
-        positions = self._packed(batch).positions
-        metrics["perf/train_positions"] = float(positions)  # what each full-batch model pass computes
+        metrics["perf/train_tokens"] = float(self.reduce.sum(batch.attention_mask.sum()))
+        positions = float(self.reduce.sum(torch.tensor(float(self._packed(batch).positions))))
+        metrics["perf/train_positions"] = positions  # what each full-batch model pass computes
         metrics["perf/padded_frac"] = 1.0 - metrics["perf/train_tokens"] / positions
         return metrics
 
@@ -240,7 +241,7 @@ class Learner:
             gen = torch.Generator().manual_seed(self.train_cfg.seed * 1_000_003 + self.steps_done)
             rows = []
             for _ in range(cfg.ppo_epochs):
-                for idx in torch.randperm(batch.size, generator=gen).chunk(cfg.ppo_minibatches):
+                for idx in self._minibatches(batch, gen):
                     rows.append(self._update(batch.rows(idx), advantages[idx], old_logprobs[idx]))
             metrics = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
             metrics["ppo/clipfrac_max"] = max(r["ppo/clipfrac"] for r in rows)
@@ -249,6 +250,10 @@ class Learner:
         self.actor_version += metrics.pop("applied") > 0  # weights unchanged when every update was skipped
         return metrics
 
+    def _minibatches(self, batch: Batch, gen: torch.Generator) -> list[torch.Tensor]:
+        """Row indices of each PPO minibatch: a random split of the batch (one epoch)."""
+        return list(torch.randperm(batch.size, generator=gen).chunk(self.algo_cfg.ppo_minibatches))
+
     def _live_parity(self, logprobs: torch.Tensor, batch: Batch) -> dict[str, float]:
         """Engine vs trainer on the tokens the engine sampled with the weights the trainer holds now
         (version == actor_version): max |log-prob difference|, which should stay at numerical noise.
@@ -256,10 +261,10 @@ class Learner:
         if batch.versions is None:
             return {}
         on = batch.action_mask.bool() & (batch.versions == self.actor_version)
-        n = int(on.sum())
+        n = int(self.reduce.sum(on.sum()))
         if not n:
             return {}
-        diff = torch.where(on, (logprobs.float() - batch.behavior_logprobs.float()).abs(), 0.0).max()
+        diff = self.reduce.max(torch.where(on, (logprobs.float() - batch.behavior_logprobs.float()).abs(), 0.0).max())
         return {"parity/live_max_abs_diff": float(diff), "parity/live_tokens": float(n)}
 
     def _update(self, batch: Batch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None) -> dict[str, float]:
@@ -268,15 +273,16 @@ class Learner:
         logprobs, entropy = actor_logprobs(self.actor, self._packed(batch), entropy_grad=cfg.entropy_coef > 0)
         if old_logprobs is None:
             loss, metrics = dis_policy_loss(logprobs, batch.behavior_logprobs, advantages, mask,
-                                            cfg.eps_low, cfg.eps_high)
+                                            cfg.eps_low, cfg.eps_high, self.reduce)
             metrics.update(self._live_parity(logprobs.detach(), batch))
         else:
-            loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, mask, cfg.ppo_eps_low, cfg.ppo_eps_high)
+            loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, mask, cfg.ppo_eps_low, cfg.ppo_eps_high,
+                                          self.reduce)
             rollout_ratio = torch.exp(torch.where(mask.bool(), logprobs.detach() - batch.behavior_logprobs, 0.0))
-            metrics["dis/ratio_mean"] = float(masked_mean(rollout_ratio, mask))
-        entropy = masked_mean(entropy, mask)  # a metric only unless the bonus is on (no autograd buffers)
+            metrics["dis/ratio_mean"] = float(masked_mean(rollout_ratio, mask, self.reduce))
         if cfg.entropy_coef > 0:  # off by default: the paper uses no entropy bonus
-            loss = loss - cfg.entropy_coef * entropy
+            loss = loss - cfg.entropy_coef * token_mean_loss(entropy, mask, self.reduce)
+        entropy = masked_mean(entropy.detach(), mask, self.reduce)  # the metric
         gn = self._apply(self.actor_opt, loss, self.train_cfg.grad_clip)
         metrics["actor/entropy"] = float(entropy.detach())
         metrics["actor/grad_norm"] = float("nan") if gn is None else gn

@@ -1,0 +1,188 @@
+"""The learner on N data-parallel ranks with FSDP2 (docs/architecture.md §8).
+
+    ranks     one process each, joined by torch.distributed (gloo on CPU, NCCL on GPU), with a
+              collective timeout (`init_ranks`)
+    models    actor and critic each wrapped with `fully_shard` (FSDP2): every decoder layer is a shard
+              group, the rest (embeddings, tied lm_head, value head) the root group; parameters,
+              gradients and AdamW states are 1/N per rank. bf16 params / fp32 reduce on GPU, fp32 on CPU
+    data      every rank receives the whole batch and keeps its rows (`shard_rows`): contiguous,
+              balanced by real tokens, GRPO groups whole; uneven token counts are expected
+    math      the same as one process: token-mean losses are local sums over the GLOBAL action-token
+              count and FSDP sums gradients instead of averaging them (divide factor 1), so the summed
+              gradient is the one-process gradient; every statistic and metric goes through the
+              `DistReducer` (sao/trainer/reduce.py); PPO minibatches are the one-process split of the
+              global batch, a rank holding no row of one still joins its collectives with a masked row
+    weights   `export_buckets()` gathers full tensors bucket by bucket (`DTensor.full_tensor()`); only
+              rank 0 keeps them, in the order of `engine_parameters(actor)` (merged for a LoRA actor)
+
+The one-process `Learner` (sao/trainer/learner.py) runs the algorithm; this subclass only decides
+which rows a rank holds and makes its sums global.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from sao.algo.registry import Algorithm
+from sao.config import AlgoConfig, CriticConfig, TrainConfig
+from sao.device import to_device
+from sao.models.critic import freeze_parameters
+from sao.models.lora import engine_parameters
+from sao.trainer.batch import Batch
+from sao.trainer.learner import Learner
+from sao.trainer.reduce import DistReducer
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+def init_ranks(rank: int, world: int, port: int, timeout_s: float = 600.0, host: str = "127.0.0.1",
+               backend: str | None = None) -> str:
+    """Join the process group of `world` trainer ranks (rank 0 listens on host:port); returns the backend.
+    `timeout_s` bounds every collective: a rank that hangs or dies stops the others within it."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return backend
+
+
+def shard_rows(token_counts: list[int], group_ids: list[str] | None, world: int) -> list[list[int]]:
+    """Row indices per rank: contiguous runs of units (a row, or a whole group when `group_ids` is
+    given) with about 1/world of the real tokens each; every rank gets at least one unit."""
+    if group_ids is None:
+        units = [[i] for i in range(len(token_counts))]
+    else:
+        by_group: dict[str, list[int]] = {}
+        for i, g in enumerate(group_ids):
+            by_group.setdefault(g, []).append(i)
+        units = list(by_group.values())
+    if len(units) < world:
+        raise ValueError(f"a batch of {len(units)} {'groups' if group_ids else 'trajectories'} cannot "
+                         f"be split over {world} trainer ranks")
+    total, acc, r = sum(token_counts), 0, 0
+    out: list[list[int]] = [[] for _ in range(world)]
+    for k, unit in enumerate(units):
+        must_move = len(units) - k <= world - 1 - r  # the ranks after r need the units left
+        if r < world - 1 and out[r] and (acc >= total * (r + 1) / world or must_move):
+            r += 1
+        out[r].extend(unit)
+        acc += sum(token_counts[i] for i in unit)
+    return out
+
+
+def shard_model(model: torch.nn.Module, mesh, mixed_precision: bool) -> torch.nn.Module:
+    """`fully_shard` every decoder layer, then the root; gradients summed over ranks, not averaged
+    (the losses already divide by the global token count). The shards move to the mesh's device (a
+    CUDA mesh puts only 1/N of the model on each GPU); the whole model passes through host memory once."""
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
+          else MixedPrecisionPolicy())
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    # the root too reshards after forward: FSDP2 keeps a root unsharded until the backward, and a
+    # no-grad pass (pi_old, the critic's v2) has none, which would leave whole weights on every rank
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    for m in [*layers, model]:
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    return model
+
+
+class DistributedLearner(Learner):
+    """`Learner` on this rank's rows of each batch, with FSDP2-sharded actor and critic.
+
+    Every rank constructs it with the same (full) models and calls `step` with the same full batch;
+    metrics are global and the same on every rank."""
+
+    def __init__(self, actor, critic, algo: Algorithm, algo_cfg: AlgoConfig, critic_cfg: CriticConfig,
+                 train_cfg: TrainConfig, mixed_precision: bool | None = None):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        cuda = dist.get_backend() == "nccl"
+        mixed_precision = cuda if mixed_precision is None else mixed_precision
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
+        if algo.uses_critic and critic is not None:
+            # frozen before sharding, so FSDP sees which parameters train (Learner freezes the same ones again)
+            freeze = critic_cfg.freeze_attention if algo.freeze_attention is None else algo.freeze_attention
+            if freeze:
+                freeze_parameters(critic, critic_cfg.freeze_pattern)
+            critic = shard_model(critic, mesh, mixed_precision)
+        # FSDP casts to bf16 itself: the base learner's autocast stays off (dtype float32)
+        super().__init__(shard_model(actor, mesh, mixed_precision), critic, algo, algo_cfg, critic_cfg, train_cfg)
+        self.reduce = DistReducer()
+        self._rows: list[int] = []
+        self._global_size = 0
+        self._local: Batch | None = None
+        self._running_adv: torch.Tensor | None = None
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on the whole `batch` (the same on every rank); this rank trains its rows."""
+        tokens = batch.attention_mask.sum(1).tolist()
+        self._rows = shard_rows(tokens, batch.group_ids if self.algo.grouped else None, self.world)[self.rank]
+        self._global_size = batch.size
+        if self.running_mean is not None:  # a stateful baseline: every rank replays the whole batch in order
+            self._running_adv = torch.tensor(
+                self.running_mean.advantages(batch.scalar_rewards.tolist(), batch.prompt_keys))[self._rows]
+        self._local = batch.rows(torch.tensor(self._rows))
+        metrics = super().step(self._local)
+        timed = sorted(k for k in metrics if k.startswith("perf/") and k.endswith("_s"))
+        metrics.update(zip(timed, self.reduce.max_values([metrics[k] for k in timed])))  # the slowest rank
+        return metrics
+
+    def _baseline_advantages(self, batch: Batch) -> torch.Tensor:
+        if self._running_adv is None:
+            return super()._baseline_advantages(batch)  # GRPO: whole groups on this rank
+        return self._running_adv.to(batch.action_mask.device)[:, None] * batch.action_mask
+
+    def _minibatches(self, batch: Batch, gen: torch.Generator) -> list[torch.Tensor]:
+        """The one-process split of the global batch, restricted to this rank's rows (may be empty)."""
+        local = {g: i for i, g in enumerate(self._rows)}
+        chunks = torch.randperm(self._global_size, generator=gen).chunk(self.algo_cfg.ppo_minibatches)
+        return [torch.tensor([local[g] for g in c.tolist() if g in local], dtype=torch.long) for c in chunks]
+
+    def _update(self, batch: Batch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None):
+        if batch.size == 0:  # no row of this minibatch here: join the collectives with a row of no action token
+            row = self._local.rows(torch.tensor([0]))
+            batch = to_device(dataclasses.replace(row, action_mask=torch.zeros_like(row.action_mask)), self.device)
+            advantages = torch.zeros_like(batch.action_mask)
+            old_logprobs = None if old_logprobs is None else torch.zeros_like(batch.action_mask)
+        return super()._update(batch, advantages, old_logprobs)
+
+    def export_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[torch.Tensor]]:
+        """Full actor weights for the engines, in `engine_parameters` order, `bucket_bytes` at a time.
+        Every rank must drain this iterator (each tensor is an all-gather); rank 0 receives the
+        buckets, the others empty lists. A LoRA actor's adapted weights arrive merged."""
+        bucket: list[torch.Tensor] = []
+        size = 0
+        with torch.no_grad():
+            for p in engine_parameters(self.actor):
+                full = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                size += full.numel() * full.element_size()
+                if self.rank == 0:
+                    bucket.append(full)
+                if size >= bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+        if size:
+            yield bucket
+
+    def export_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[torch.Tensor]:
+        """All full weights on rank 0 (an empty list elsewhere); a collective: every rank calls it."""
+        return [t for bucket in self.export_buckets(bucket_bytes) for t in bucket]
+
+
+def timed_export(learner: DistributedLearner, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[float, int]:
+    """(seconds, bytes) for one full export drained on every rank (benchmarks/fsdp_memory.py)."""
+    t, n = time.perf_counter(), 0
+    for bucket in learner.export_buckets(bucket_bytes):
+        n += sum(x.numel() * x.element_size() for x in bucket)
+    return time.perf_counter() - t, n

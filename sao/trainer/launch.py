@@ -1,0 +1,36 @@
+"""Start N trainer ranks on this machine as child processes joined by torch.distributed.
+
+`spawn_ranks(fn, world, *args)` runs `fn(rank, world, port, *args)` in `world` spawned processes
+(rank 0 listens on 127.0.0.1:port; `sao.trainer.distributed.init_ranks` joins it). If one rank
+raises or dies, the others are terminated and the error names the rank.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankFailed(RuntimeError):
+    """A trainer rank raised or died; the others were stopped."""
+
+
+def spawn_ranks(fn: Callable, world: int, *args) -> None:
+    """Run fn(rank, world, port, *args) on `world` spawned processes; returns when all have finished."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    try:
+        mp.start_processes(fn, args=(world, port, *args), nprocs=world, join=True, start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        raise RankFailed(f"trainer rank {e.error_index} failed:\n{e}") from None
+    except mp.ProcessExitedException as e:
+        raise RankFailed(f"trainer rank {e.error_index} exited with code {e.exit_code} "
+                         f"(signal {e.signal_name})" if e.signal_name else
+                         f"trainer rank {e.error_index} exited with code {e.exit_code}") from None

@@ -1,0 +1,110 @@
+"""Rank 0 drives, ranks 1..N-1 follow: the runtime holds one trainer object, whatever N is.
+
+    start_trainer_ranks(world, build, args)   this process becomes rank 0; ranks 1..N-1 are spawned
+                                              children; every rank builds its learner with build(*args)
+    RankDriver.step / export_weights / save / load
+                                              broadcast the command (and the batch) to the followers,
+                                              then run it here: every rank runs the same collectives
+    follow(learner)                           a follower's loop: receive a command, run it, until close
+
+A follower that dies (or hangs past the collective timeout) fails rank 0's next command with
+`RankFailed` naming the rank; `close()` stops every follower (none is left behind).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from sao.trainer.launch import RankFailed, free_port
+from sao.trainer.sharded_checkpoint import load_sharded, save_sharded
+
+COMMANDS: dict[str, Callable] = {
+    "step": lambda learner, batch: learner.step(batch),
+    "export_weights": lambda learner: learner.export_weights(),
+    "save": save_sharded,
+    "load": load_sharded,
+}
+
+
+def follow(learner) -> None:
+    """Run rank 0's commands on this rank until it sends "close"."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        name, args = box[0]
+        if name == "close":
+            return
+        COMMANDS[name](learner, *args)
+
+
+def _follower(rank: int, world: int, port: int, timeout_s: float, build: Callable, args: tuple) -> None:
+    from sao.trainer.distributed import init_ranks
+
+    init_ranks(rank, world, port, timeout_s)
+    follow(build(*args))
+    dist.destroy_process_group()
+
+
+class RankDriver:
+    """The trainer seam on rank 0: the same calls as a one-process `Learner`."""
+
+    def __init__(self, learner, followers: list):
+        self.learner, self.followers = learner, followers
+
+    @property
+    def version(self) -> int:
+        return self.learner.actor_version
+
+    def _call(self, name: str, *args):
+        try:
+            dist.broadcast_object_list([(name, args)], src=0)
+            return COMMANDS[name](self.learner, *args)
+        except Exception as e:
+            dead = [(i + 1, p.exitcode) for i, p in enumerate(self.followers) if not p.is_alive()]
+            self.close(abort=True)  # the followers failed alike (the math is global) or are stuck: stop them
+            if not dead and not isinstance(e, dist.DistError):
+                raise  # the learner's own error (e.g. NonFiniteError), raised on every rank
+            who = ", ".join(f"trainer rank {r} exited with code {c}" for r, c in dead) or f"a collective failed: {e}"
+            raise RankFailed(f"{name}: {who}") from None
+
+    def step(self, batch) -> dict[str, float]:
+        return self._call("step", batch)
+
+    def export_weights(self) -> list:
+        return self._call("export_weights")
+
+    def save(self, path) -> None:
+        self._call("save", str(path))
+
+    def load(self, path) -> None:
+        self._call("load", str(path))
+
+    def close(self, abort: bool = False) -> None:
+        """Stop the followers (politely, or by SIGKILL after a failure) and leave the process group."""
+        if not abort and dist.is_initialized():
+            dist.broadcast_object_list([("close", ())], src=0)
+        for p in self.followers:
+            p.join(timeout=0 if abort else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_trainer_ranks(world: int, build: Callable, args: tuple, timeout_s: float = 600.0) -> RankDriver:
+    """Make this process rank 0 of `world` trainer ranks and spawn the others; `build(*args)` (a module-level
+    function: it travels to the children by reference) returns each rank's learner."""
+    import torch.multiprocessing as mp
+
+    from sao.trainer.distributed import init_ranks
+
+    port, ctx = free_port(), mp.get_context("spawn")
+    followers = [ctx.Process(target=_follower, args=(r, world, port, timeout_s, build, args), daemon=True)
+                 for r in range(1, world)]
+    for p in followers:
+        p.start()
+    init_ranks(0, world, port, timeout_s)
+    return RankDriver(build(*args), followers)
