@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "WriteError":  # sao/runtime/run_dir.py: a file of the run could not be written
             print(f"sao: error: {exc}", file=sys.stderr)
             return IO_ERROR
-        if name not in ("ParityError", "StalledError", "WorkerCrashLoop", "NonFiniteError"):
+        if name not in ("ParityError", "StalledError", "WorkerCrashLoop", "NonFiniteError", "RankFailed"):
             raise
         print(f"sao: error: {exc}", file=sys.stderr)
         return 1

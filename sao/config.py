@@ -212,6 +212,11 @@ class TrainerConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
         "where the trainer's actor and critic live: auto = CUDA when a GPU is visible, else CPU "
         "(the torch engines follow engine.device, so the two can differ)"))
+    ranks: int = Field(1, ge=1, description=(
+        "trainer processes: N > 1 shards actor and critic with FSDP2 over N data-parallel ranks that sao "
+        "starts itself (gloo on CPU, NCCL on GPU; docs/architecture.md §8); the math equals one process"))
+    timeout_s: float = Field(600.0, gt=0, description=(
+        "trainer.ranks > 1: bound on every collective; a rank that hangs or dies stops the run within it"))
 
 
 class EvalConfig(Section):

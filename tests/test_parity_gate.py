@@ -15,6 +15,15 @@ def _engine(engine_model, codec):
     return TorchEngine(engine_model, codec.tokenizer.pad_token_id, max_batch=16, seed=0)
 
 
+def _trainer(model):
+    """The trainer side of the gate: the seam's logprobs (sao/trainer/protocol.py) on `model`."""
+    from sao.algo.registry import get_algorithm
+    from sao.config import AlgoConfig, CriticConfig, TrainConfig
+    from sao.trainer.learner import Learner
+
+    return Learner(model, None, get_algorithm("running_mean"), AlgoConfig(), CriticConfig(), TrainConfig())
+
+
 def test_gate_passes_when_weights_travel_through_shared_memory(tiny, tiny_model_dir):
     model, codec = tiny
     engine_model = load_model(tiny_model_dir)
@@ -25,7 +34,7 @@ def test_gate_passes_when_weights_travel_through_shared_memory(tiny, tiny_model_
     weights.publish(list(model.parameters()), 0)
     weights.load_into([p.data for p in engine_model.parameters()])
     env = make_environment("calc", {}, seed=0)
-    diff = parity_check(model, _engine(engine_model, codec), codec, env, EpisodeLimits(max_action_tokens=12), tol=1e-4)
+    diff = parity_check(_trainer(model), _engine(engine_model, codec), codec, env, EpisodeLimits(max_action_tokens=12), tol=1e-4)
     assert diff <= 1e-4
 
 
@@ -36,7 +45,7 @@ def test_gate_refuses_when_engine_and_trainer_disagree(tiny, tiny_model_dir):
         engine_model.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # a 1% drift, e.g. a botched sync
     env = make_environment("calc", {}, seed=0)
     with pytest.raises(ParityError, match="refusing to train"):
-        parity_check(model, _engine(engine_model, codec), codec, env, EpisodeLimits(max_action_tokens=12), tol=1e-4)
+        parity_check(_trainer(model), _engine(engine_model, codec), codec, env, EpisodeLimits(max_action_tokens=12), tol=1e-4)
 
 
 def _engine_batch(model, engine_model, codec, n=8):

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from sao.config import ConfigError
 from sao.runtime.run_dir import fsync_tree, write_failure
@@ -56,9 +57,12 @@ def save(run_path: Path, tag: str, state: dict, write_models: Callable[[Path], N
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         _write(tmp, state, write_models)
-    except Exception as exc:  # a full disk surfaces as OSError, torch's "basic_ios::clear" or a SafetensorError
+    except (OSError, RuntimeError, SafetensorError) as exc:  # a full disk: OSError, torch's "basic_ios::clear"
         shutil.rmtree(tmp, ignore_errors=True)
         raise write_failure(f"checkpoint {final}", exc) from None
+    except BaseException:  # anything else (a lost trainer rank, Ctrl-C) is not a failed write
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         if final.exists():  # e.g. "final" written again after a resume: keep the old one until the new is in place
             old = final.with_name(tag + ".old")

@@ -80,7 +80,8 @@ class RunContext:
         self.totals.update(state["totals"])
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
-        self.trainer.load_state_dict(state["trainer"])
+        if "sharded" not in state["trainer"]:  # else every rank loaded its shards when it was built
+            self.trainer.load_state_dict(state["trainer"])
         self.pacing.load_state_dict(state["pacing"])
         self.tasks.load_state_dict(state["tasks"])
         self.queue.load_state_dict(state["queue"])
@@ -112,6 +113,13 @@ class RunContext:
         if self._policy is None:
             self._policy = PolicyCopy(self.cfg, self.model_path)
         return self._policy
+
+    def close(self) -> None:
+        """Stop what the context started: trainer ranks (N > 1). Idempotent."""
+        close = getattr(self.trainer, "close", None)
+        if close is not None and getattr(self.trainer, "followers", None):
+            close()
+            self.trainer.followers = []
 
     def start_scheduler(self, backend) -> Scheduler:
         self.scheduler = Scheduler(backend, self.tasks, self.audit, self.pacing)
@@ -150,11 +158,46 @@ def build(cfg: Config, environment, progress: RunProgress, resume: Path | None =
     return ctx
 
 
-def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None) -> Learner:
+def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None):
+    """The trainer behind the seam (sao/trainer/protocol.py): a one-process Learner, or at trainer.ranks=N
+    a driver of N FSDP2 ranks (this process is rank 0; sao/trainer/ranks.py). A checkpoint written at any
+    number of ranks (DCP shards in trainer/) loads into any number of ranks."""
+    sharded = ckpt is not None and (ckpt / "trainer").is_dir()
+    if cfg.trainer.ranks > 1:
+        from sao.trainer.ranks import start_trainer_ranks
+
+        args = (cfg, str(model_path), str(ckpt) if ckpt is not None else None)
+        return start_trainer_ranks(cfg.trainer.ranks, rank_learner, args, cfg.trainer.timeout_s, model_path)
+    actor, critic = build_models(cfg, model_path, ckpt)
+    learner = Learner(actor, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train,
+                      dtype=resolve_dtype(cfg.engine.dtype))
+    if sharded:  # saved by N ranks: its shards hold weights, optimizer states and counters
+        from sao.trainer.sharded_checkpoint import load_sharded
+
+        load_sharded(learner, ckpt / "trainer")
+    return learner
+
+
+def rank_learner(cfg: Config, model_path: str, ckpt: str | None):
+    """One rank's DistributedLearner (every rank runs this; module-level: it travels to spawned ranks)."""
+    from sao.runtime.worker_host import quiet_transformers
+    from sao.trainer.distributed import DistributedLearner
+    from sao.trainer.sharded_checkpoint import load_sharded
+
+    quiet_transformers()  # a spawned rank starts with transformers' defaults
+    ckpt = Path(ckpt) if ckpt is not None else None
+    actor, critic = build_models(cfg, Path(model_path), ckpt)
+    learner = DistributedLearner(actor, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train)
+    if ckpt is not None:
+        load_sharded(learner, ckpt / "trainer")  # preflight refused a checkpoint without shards
+    return learner
+
+
+def build_models(cfg: Config, model_path: Path, ckpt: Path | None):
     """Actor (LoRA when model.lora.r > 0) and, for critic algorithms, the critic (critic.path, a
     checkpoint's, or one built from the policy), on trainer.device; weights from `ckpt` when resuming."""
     algo = get_algorithm(cfg.algo.name)
-    device, dtype = resolve_device(cfg.trainer.device), resolve_dtype(cfg.engine.dtype)
+    device = resolve_device(cfg.trainer.device)
     actor = load_model(model_path).to(device)
     if ckpt is not None and adapter_base(ckpt / "actor"):
         actor = resume_lora(actor, ckpt / "actor")
@@ -162,10 +205,10 @@ def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None) -> Learner:
         actor = with_lora(actor, cfg.model.lora)  # lora.r=0: the model itself
     critic = None
     if algo.uses_critic:
-        critic_path = ckpt / "critic" if ckpt is not None else cfg.critic.path
+        critic_path = ckpt / "critic" if ckpt is not None and (ckpt / "critic").is_dir() else cfg.critic.path
         if critic_path and adapter_base(critic_path):  # a LoRA critic's adapter (a checkpoint, or pretrained)
             critic = load_lora_critic(critic_path, device)
         else:
             critic = load_critic(critic_path) if critic_path else build_critic(model_path)
             critic = with_lora(critic.to(device), cfg.critic.lora, value_head=True)
-    return Learner(actor, critic, algo, cfg.algo, cfg.critic, cfg.train, dtype=dtype)
+    return actor, critic

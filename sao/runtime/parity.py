@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-import torch
-
 from sao.config import Config
-from sao.device import autocast, resolve_dtype, to_device
-from sao.models.actor import sequence_logprobs
 from sao.runtime.episodes import PolicyCopy, generate_batch
 from sao.trainer.batch import collate
 from sao.types import SamplingParams
@@ -23,8 +19,7 @@ class ParityError(RuntimeError):
     """Engine and trainer disagree on log-probs: training on such data would be silently wrong."""
 
 
-def parity_check(trainer_model, engine, codec, environment, limits, tol: float, n: int = 16,
-                 dtype: torch.dtype = torch.float32) -> float:
+def parity_check(trainer, engine, codec, environment, limits, tol: float, n: int = 16) -> float:
     """Max |engine log-prob - trainer log-prob| over n sampled episodes' action tokens; raises above `tol`.
 
     `engine` serves a separate model instance that received the trainer's weights as the flat buffer
@@ -34,9 +29,8 @@ def parity_check(trainer_model, engine, codec, environment, limits, tol: float, 
     tasks = itertools.cycle(environment.eval_tasks(n))  # a small held-out set may hold fewer than n
     trajs = [t for t in generate_batch(engine, environment, codec, tasks, limits, n, SamplingParams())
              if t.num_action_tokens]
-    batch = to_device(collate(trajs, codec.tokenizer.pad_token_id), next(trainer_model.parameters()).device)
-    with torch.no_grad(), autocast(batch.input_ids.device, dtype):
-        logprobs = sequence_logprobs(trainer_model, batch.input_ids, batch.attention_mask)
+    batch = collate(trajs, codec.tokenizer.pad_token_id)
+    logprobs = trainer.logprobs(batch).to(batch.behavior_logprobs.device)
     diff = float(((logprobs - batch.behavior_logprobs).abs() * batch.action_mask).max())
     if not diff <= tol:
         raise ParityError(f"parity gate: engine and trainer log-probs differ by {diff:.2e} "
@@ -48,8 +42,7 @@ def gate(cfg: Config, trainer, policy: PolicyCopy, codec, environment, limits) -
     """Step 2 of a run: the built-in engine, on a copy given the trainer's weights, against the trainer."""
     policy.load(trainer.export_weights())
     engine = policy.engine(codec.tokenizer.pad_token_id, max_batch=16, seed=cfg.train.seed)
-    return parity_check(trainer.actor, engine, codec, environment, limits, cfg.runtime.parity_tol,
-                        dtype=resolve_dtype(cfg.engine.dtype))
+    return parity_check(trainer, engine, codec, environment, limits, cfg.runtime.parity_tol)
 
 
 class LiveParity:

@@ -82,20 +82,26 @@ def train(cfg: Config, progress: RunProgress, resume: str | Path | None = None, 
             progress.stop_training()
             _stop(backend)
             ckpt = ctx.save_at_exit(f"step_{ctx.step:06d}")
+            ctx.close()
             print(f"sao: {ctx.stop_requested}: checkpoint {ckpt} written; continue with "
                   f"`sao train --resume {ctx.run.path}`", file=sys.stderr)
             raise KeyboardInterrupt from None
         except WriteError as exc:
             _stop(backend)
+            ctx.close()
             ckpt = checkpoint.latest(ctx.run.path)
             raise WriteError(f"{exc}; " + (f"its latest checkpoint {ckpt.name} is intact: after freeing space, "
                                            f"`sao train --resume {ctx.run.path}`" if ckpt else
                                            "it has no checkpoint yet")) from None
+        except BaseException:
+            ctx.close()  # trainer ranks (N > 1) go with the run
+            raise
         finally:
             progress.stop_training()
             _stop(backend)
     after = evaluate(ctx.step)  # step 5
     ckpt = ctx.save_at_exit("final")
+    ctx.close()
     result = RunResult(str(ctx.run.path), before, after, ctx.step, time.perf_counter() - t_start,
                        {"checkpoint": str(ckpt), "parity_max_abs_diff": diff, **ctx.totals, **ctx.setup})
     ctx.run.write_json("summary.json", result.__dict__)

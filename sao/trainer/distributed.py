@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -106,6 +107,9 @@ class DistributedLearner(Learner):
 
     def __init__(self, actor, critic, algo: Algorithm, algo_cfg: AlgoConfig, critic_cfg: CriticConfig,
                  train_cfg: TrainConfig, mixed_precision: bool | None = None):
+        # our models' outputs are never modified in place (sao/models/critic.py returns a view): FSDP2's
+        # warning about that would print on every rank at every pass
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cuda = dist.get_backend() == "nccl"
         mixed_precision = cuda if mixed_precision is None else mixed_precision

@@ -17,8 +17,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class RankFailed(RuntimeError):
-    """A trainer rank raised or died; the others were stopped."""
+class RankFailed(Exception):
+    """A trainer rank raised or died; the others were stopped. (Not a RuntimeError: a checkpoint write
+    that fails with one is a failed write, sao/runtime/checkpoint.py; a lost rank is not.)"""
 
 
 def spawn_ranks(fn: Callable, world: int, *args) -> None:

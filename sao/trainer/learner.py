@@ -302,6 +302,14 @@ class Learner:
 
         return engine_parameters(self.actor)
 
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """Log-probs of `batch`'s tokens under the current actor, no grad (the parity gate's side). (B, T-1)"""
+        from sao.models.actor import sequence_logprobs
+
+        batch = to_device(batch, self.device)
+        with torch.no_grad(), autocast(self.device, self.dtype):
+            return sequence_logprobs(self.actor, batch.input_ids, batch.attention_mask)
+
     def state_dict(self) -> dict:
         """Everything a resume needs besides the weights (those travel as HF folders, `save_pretrained`)."""
         return {

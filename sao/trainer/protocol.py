@@ -2,13 +2,14 @@
 
     step(batch) -> metrics          one optimizer step on B finished trajectories (docs/algorithm.md §5)
     export_weights() -> tensors     full actor weights in the engines' parameter order, for publishing
+    logprobs(batch)                 the current actor's log-probs of a batch (the parity gate)
     state_dict() / load_state_dict  optimizer states and counters, for checkpoints (weights travel as
                                     HF folders through save_pretrained)
     version                         the policy version (actor optimizer steps) engines and tokens carry
 
-The one-process implementation is `sao.trainer.learner.Learner`. The runtime never reaches into a
-trainer's models or optimizers, so a sharded implementation (FSDP2 ranks, docs/architecture.md)
-plugs in behind the same calls and the loop is the same at 1 and N ranks.
+The one-process implementation is `sao.trainer.learner.Learner`; at trainer.ranks > 1 it is
+`sao.trainer.ranks.RankDriver` (rank 0 drives FSDP2 ranks that follow). The runtime never reaches into
+a trainer's models or optimizers, so the loop is the same at 1 and N ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class Trainer(Protocol):
     def step(self, batch: Batch) -> dict[str, float]: ...
 
     def export_weights(self) -> list[torch.Tensor]: ...
+
+    def logprobs(self, batch: Batch) -> torch.Tensor: ...
 
     def state_dict(self) -> dict: ...
 

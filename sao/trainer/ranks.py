@@ -23,6 +23,7 @@ from sao.trainer.sharded_checkpoint import load_sharded, save_sharded
 COMMANDS: dict[str, Callable] = {
     "step": lambda learner, batch: learner.step(batch),
     "export_weights": lambda learner: learner.export_weights(),
+    "logprobs": lambda learner, batch: learner.logprobs(batch),
     "save": save_sharded,
     "load": load_sharded,
 }
@@ -39,19 +40,39 @@ def follow(learner) -> None:
         COMMANDS[name](learner, *args)
 
 
+def _never_outlive_rank0() -> None:
+    """A follower ignores Ctrl-C (rank 0 checkpoints, then closes it) and dies with rank 0: the kernel
+    SIGKILLs it when its parent, rank 0, exits, even by SIGKILL (PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: the collective timeout still ends it
+        pass
+
+
 def _follower(rank: int, world: int, port: int, timeout_s: float, build: Callable, args: tuple) -> None:
     from sao.trainer.distributed import init_ranks
 
+    _never_outlive_rank0()
     init_ranks(rank, world, port, timeout_s)
     follow(build(*args))
     dist.destroy_process_group()
 
 
 class RankDriver:
-    """The trainer seam on rank 0: the same calls as a one-process `Learner`."""
+    """The trainer seam on rank 0 (sao/trainer/protocol.py): the same calls as a one-process `Learner`.
 
-    def __init__(self, learner, followers: list):
-        self.learner, self.followers = learner, followers
+    Checkpoints: `save_pretrained` writes every rank's shards with DCP into `folder/trainer/` (loadable at
+    any rank count, sao/trainer/sharded_checkpoint.py) and a plain HF folder `folder/actor/` with the full
+    (merged, for LoRA) weights, which `sao eval`, the engines and AutoModelForCausalLM load. `state_dict`
+    holds only what says so: the optimizer states are in the shards."""
+
+    def __init__(self, learner, followers: list, model_path=None):
+        self.learner, self.followers, self.model_path = learner, followers, model_path
+        self.before_pass = None  # the one-process thread hook (sao/runtime/threads.py) has no use here
 
     @property
     def version(self) -> int:
@@ -75,6 +96,32 @@ class RankDriver:
     def export_weights(self) -> list:
         return self._call("export_weights")
 
+    def logprobs(self, batch):
+        return self._call("logprobs", batch)
+
+    def state_dict(self) -> dict:
+        return {"sharded": "trainer", "ranks": len(self.followers) + 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing here: every rank loaded its shards when it was built (sao/runtime/context.py)."""
+
+    def save_pretrained(self, folder, tokenizer, merged: bool = False) -> None:
+        from pathlib import Path
+
+        import torch
+
+        from sao.models.tiny import load_model
+
+        folder = Path(folder)
+        self.save(folder / "trainer")
+        weights = self.export_weights()  # whole tensors on this rank only
+        model = load_model(self.model_path)
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), weights):
+                p.copy_(w.to(p.device, p.dtype).view_as(p))
+        model.save_pretrained(folder / "actor")
+        tokenizer.save_pretrained(folder / "actor")
+
     def save(self, path) -> None:
         self._call("save", str(path))
 
@@ -94,7 +141,8 @@ class RankDriver:
             dist.destroy_process_group()
 
 
-def start_trainer_ranks(world: int, build: Callable, args: tuple, timeout_s: float = 600.0) -> RankDriver:
+def start_trainer_ranks(world: int, build: Callable, args: tuple, timeout_s: float = 600.0,
+                        model_path=None) -> RankDriver:
     """Make this process rank 0 of `world` trainer ranks and spawn the others; `build(*args)` (a module-level
     function: it travels to the children by reference) returns each rank's learner."""
     import torch.multiprocessing as mp
@@ -107,4 +155,4 @@ def start_trainer_ranks(world: int, build: Callable, args: tuple, timeout_s: flo
     for p in followers:
         p.start()
     init_ranks(0, world, port, timeout_s)
-    return RankDriver(build(*args), followers)
+    return RankDriver(build(*args), followers, model_path)

@@ -1,0 +1,82 @@
+"""`sao train trainer.ranks=2` on the real CLI: the trainer on two FSDP2 ranks (gloo) that sao starts
+itself, sharded checkpoints that resume at another rank count, and a killed rank that stops the run in
+one line with nothing left behind (the math across ranks: tests/test_distributed.py)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_runtime_faults import TINY, _alive, _children, _popen, _rows, _wait_for_step, _workers, audit_of
+
+pytestmark = pytest.mark.slow
+
+
+def _followers(pid):
+    """Trainer ranks 1..N-1 of trainer `pid`: its spawned children (the fork server is the other child)."""
+    return [p for p, args in _children(pid) if "multiprocessing.spawn" in args]
+
+
+def test_two_ranks_train_checkpoint_and_resume_on_one(tmp_path):
+    args = [*TINY, "trainer.ranks=2", "eval.every=2", "output.save_every=2", "output.name=r"]
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *args, "--quiet"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "r"
+    rows = [r for r in _rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["train/actor_version"] == 3
+    assert any(r.get("parity/max_abs_diff", 1) <= 1e-4 for r in _rows(run))  # the gate ran against 2 ranks
+    final = run / "checkpoints" / "final"
+    assert (final / "trainer" / ".metadata").is_file()  # DCP shards of models and optimizers
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(final / "actor")  # the plain HF export
+    ev = subprocess.run([sys.executable, "-m", "sao.cli", "eval", str(run), "eval.num_tasks=4"], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    res = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--resume", str(run), "trainer.ranks=1",
+                          "train.steps=6", "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in _rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["train/actor_version"] for r in rows] == [0, 1, 2, 3, 4, 5]  # counters came back from the shards
+    state = torch.load(final / "trainer_state.pt", weights_only=False)["trainer"]
+    assert state["actor_opt"]["state"][0]["step"] == state["actor_version"] == 5  # Adam's state restored, not new
+
+
+def test_a_killed_rank_stops_the_run_in_one_line_and_resume_loses_nothing(tmp_path):
+    run = tmp_path / "runs" / "k"
+    proc = _popen([*TINY, "trainer.ranks=2", "train.steps=12", "output.save_every=2", "output.name=k"], tmp_path)
+    _wait_for_step(proc, run, 3)
+    followers, workers = _followers(proc.pid), _workers(proc.pid)
+    assert len(followers) == 1 and workers
+    t0 = time.time()
+    subprocess.run(["kill", "-KILL", str(followers[0])], check=True)
+    out, err = proc.communicate(timeout=120)
+    assert time.time() - t0 < 60 and proc.returncode == 1, err[-3000:]
+    lines = err.strip().splitlines()
+    assert "trainer rank 1 exited with code -9" in lines[-1] and "Traceback" not in err, err[-3000:]
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(p) for p in workers + followers):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in workers + followers), "a process outlived the run"
+    res = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--resume", str(run), "trainer.ranks=1",
+                          "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["step"] for r in _rows(run) if "reward/mean" in r] == list(range(1, 13))
+    audit_of(run)  # every issued episode trained, dropped or pending; none trained twice
+
+
+def test_refusals_before_anything_starts(tmp_path, sao_cli):
+    """A batch too small to give every rank rows, and a one-rank checkpoint (plain optimizer states, no
+    shards) resumed on two ranks: one line each, exit 2."""
+    proc = sao_cli("train", *TINY, "trainer.ranks=8", cwd=tmp_path)
+    assert proc.returncode == 2 and "trainer.ranks: 8 ranks need at least 8 trajectories" in proc.stderr
+    one = subprocess.run([sys.executable, "-m", "sao.cli", "train", *TINY, "train.steps=2", "output.name=one",
+                          "--sync", "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    proc = sao_cli("train", "--resume", str(tmp_path / "runs" / "one"), "train.steps=4", "trainer.ranks=2",
+                   cwd=tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "was saved by one trainer rank; resume it with trainer.ranks=1" in proc.stderr
