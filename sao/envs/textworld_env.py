@@ -46,7 +46,7 @@ from pydantic import Field
 
 from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
 from sao.envs.latency import LatencyOptions, with_latency
-from sao.envs.textworld_games import GameRecord, facts_of, load_records, new_play, prepare_games
+from sao.envs.textworld_games import TEXTWORLD_LOCK, GameRecord, facts_of, load_records, new_play, prepare_games
 from sao.types import Task
 
 _DIRECTIONS = ("north", "south", "east", "west")
@@ -140,7 +140,8 @@ class TextWorldEpisode:
             prefix = "(invalid) "
         else:
             self.counts["moves"] += 1
-            self.state, _, _ = self.play.step(command)
+            with TEXTWORLD_LOCK:
+                self.state, _, _ = self.play.step(command)
             prefix = ""
         won, score, max_score = bool(self.state["won"]), self.state.get("score", 0), self.state["max_score"]
         # partial credit below 1 until the win (the main quest's point comes only with it); 0 in sparse games

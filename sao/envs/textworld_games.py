@@ -36,6 +36,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,10 @@ from typing import Any
 from sao.envs.dataset import option_error
 
 GAMES_FORMAT = 1  # bump when generation or the reward sub-quests change
+# textworld's loading and game logic share module-level state that is not thread-safe (concurrent
+# loads failed with "pop from empty list"); the agent loop runs plain env steps in threads, so every
+# call into textworld holds this lock (a step takes ~2 ms).
+TEXTWORLD_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -113,10 +118,11 @@ def new_play(path: str, loaded=None):
 
     play = TextWorldEnv(textworld.EnvInfos(facts=True, won=True, lost=True, score=True, max_score=True,
                                            admissible_commands=True))
-    play._gamefile = path
-    play._game, play._inform7 = loaded or load_game(path)
-    play._game_progression = None
-    return play, play.reset()
+    with TEXTWORLD_LOCK:
+        play._gamefile = path
+        play._game, play._inform7 = loaded or load_game(path)
+        play._game_progression = None
+        return play, play.reset()
 
 
 def facts_of(state) -> list[list]:
