@@ -224,9 +224,9 @@ def load_records(folder: Path) -> list[GameRecord]:
                        r["max_score"], tuple(r["states"])) for r in rows]
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=1024)
 def load_game(path: str):
-    """(game, inform7) of a cached game, loaded once per process (~0.3 s each) and shared by its episodes:
+    """(game, inform7) of a cached game, loaded once per process (~10 ms and ~40 kB each) and shared by its episodes:
     both are only read while playing; each episode has its own `GameProgression`."""
     textworld = _textworld()
     from textworld.generator.inform7 import Inform7Game
