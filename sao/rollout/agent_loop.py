@@ -5,7 +5,8 @@
         gen  = engine.generate(ids)               sampled tokens + behavior log-probs + versions
         ids += gen.token_ids                      action_mask = 1 on exactly these tokens
         step = env.step(text of gen)              text is decoded for the env, never re-encoded
-        done -> reward on the last action token
+        done -> reward on the last action token (truncated: the last step's reward, 0 unless the env
+                gives partial credit, e.g. textworld's dense points)
         else -> ids += observation tokens         action_mask = 0 (rendered via the chat template)
 
 An exception raised by the environment ends only this episode (status `env_error`, message kept);
@@ -135,6 +136,7 @@ async def run_episode(env: Env, task: Task, engine: Engine, codec: ChatCodec, pa
                 break
             result = await _call(env.step, codec.action_text(gen.token_ids), timeout=limits.step_timeout_s)
             traj.metrics.update({k: float(v) for k, v in result.info.items() if isinstance(v, (int, float))})
+            traj.reward = float(result.reward)  # kept if the episode is truncated next (partial credit, else 0)
             if result.done:
                 traj.reward, traj.status, traj.status_reason = float(result.reward), Status.OK, ""
                 break

@@ -1,0 +1,52 @@
+"""`sao bench horizon`: the experiment's variants (four algorithms x three quest lengths, a dense/sparse
+pair), and its quick preset run end to end on real TextWorld games, writing every file."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from sao.bench.experiment import load_experiment
+
+
+def test_horizon_experiment_covers_every_algorithm_and_quest_length():
+    exp = load_experiment("horizon")
+    length = {name: next(o for o in v if "quest_length=" in o).split("=")[1] for name, v in exp.variants.items()}
+    algo = {name: next(o for o in v if o.startswith("algo.name=")).split("=")[1] for name, v in exp.variants.items()}
+    for q in ("2", "5", "10"):
+        assert {a for n, a in algo.items() if length[n] == q} == {"sao", "grpo_dis", "running_mean", "sao_step_gae"}
+    dense = [n for n, v in exp.variants.items() if "env.options.rewards=dense" in v]
+    assert dense and all(n.removesuffix("-dense") in exp.variants for n in dense)  # each has its sparse twin
+    assert "env.options.rewards=sparse" in exp.overrides and "runtime.max_lag=3" in exp.overrides
+    assert any(o.startswith("env.options.step_latency_s=") for o in exp.overrides)
+    quick = exp.preset(quick=True)
+    assert set(quick.variants) < set(exp.variants) and {algo[n] for n in quick.variants} == set(algo.values())
+    assert len(exp.seeds) >= 2 and quick.seeds == [0]
+
+
+@pytest.mark.slow
+def test_horizon_quick_preset_writes_every_file(tmp_path):
+    pytest.importorskip("textworld")
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "bench", "horizon", "--quick", "--out", "out",
+                           "model.cache_dir=cache", "env.options.cache_dir=cache"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = tmp_path / "out"
+    assert {p.name for p in out.iterdir()} >= {"results.json", "results.md", "curves.png"}
+    res = json.loads((out / "results.json").read_text())
+    quick = load_experiment("horizon").preset(quick=True)
+    assert list(res["variants"]) == list(quick.variants)
+    assert all(r["returncode"] == 0 for r in res["runs"]) and len(res["runs"]) == len(quick.variants)
+    for v in res["variants"].values():
+        s = v["per_seed"]["0"]
+        assert s["steps_done"] == 3 and s["final_accuracy"] is not None and s["lag_mean"] is not None
+    assert set(res["accuracy_at_equal_wall"]) == set(quick.variants)
+    # the games were generated once per setting and cached; the runs played them with the latency on
+    assert len(list((tmp_path / "cache").glob("textworld-*/games.json"))) == 3  # q2 sparse, q2 dense, q10
+    run = tmp_path / next(r["run_dir"] for r in res["runs"] if r["variant"] == "q10-sao")
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert (cfg["env"]["options"]["quest_length"], cfg["rollout"]["max_turns"]) == (10, 12)
+    assert any((run / "trajectories").iterdir())
+    assert "| `q2-sao-dense` |" in (out / "results.md").read_text()

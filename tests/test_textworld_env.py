@@ -1,0 +1,130 @@
+"""`textworld`: games generated from seeds and cached, a train/held-out split that shares no game, SFT
+demos from training games only, and real generated games played through the agent loop."""
+
+import asyncio
+import json
+import os
+import random
+
+import pytest
+
+pytest.importorskip("textworld")
+
+from sao.envs import make_environment  # noqa: E402
+from sao.envs.textworld_env import TextWorldOptions, render  # noqa: E402
+from sao.envs.textworld_games import fingerprint, generate_game, load_records, prepare_games  # noqa: E402
+from sao.rollout.agent_loop import EpisodeLimits, run_episode  # noqa: E402
+from sao.types import Generation, SamplingParams, Status  # noqa: E402
+
+SMALL = {"num_train_games": 4, "num_heldout_games": 2, "quest_length": 3, "world_size": 3, "nb_objects": 4}
+
+
+def _env(tmp_path, **options):
+    return make_environment("textworld", {**SMALL, "cache_dir": str(tmp_path / "cache"), **options}, seed=0)
+
+
+class ScriptedEngine:
+    """Replays fixed commands as the model's turns (the agent loop's tokens, masks and statuses stay real)."""
+
+    def __init__(self, codec, turns):
+        self.codec, self.turns = codec, list(turns)
+
+    async def generate(self, prompt_ids, params, session=None):
+        ids = self.codec.action_ids(self.turns.pop(0))
+        return Generation(ids, [-0.5] * len(ids), [0] * len(ids), "stop")
+
+    def release(self, session):
+        pass
+
+
+def _play(environment, task, codec, commands, max_turns):
+    engine = ScriptedEngine(codec, commands)
+    limits = EpisodeLimits(max_turns=max_turns, max_action_tokens=64, max_episode_tokens=4096)
+    return asyncio.run(run_episode(environment.new_episode(None), task, engine, codec, SamplingParams(), limits))
+
+
+def test_generation_is_deterministic_for_a_seed_and_cached(tmp_path):
+    options = TextWorldOptions(**SMALL)
+    assert fingerprint(generate_game(options, 5)) == fingerprint(generate_game(options, 5))
+    assert fingerprint(generate_game(options, 5)) != fingerprint(generate_game(options, 6))
+    a = prepare_games(TextWorldOptions(**SMALL, cache_dir=str(tmp_path / "a")))
+    b = prepare_games(TextWorldOptions(**SMALL, cache_dir=str(tmp_path / "b")))
+    assert a.name == b.name  # keyed by the settings
+    assert json.loads((a / "games.json").read_text()) == json.loads((b / "games.json").read_text())
+    for record in load_records(a):  # the game files themselves are the same bytes
+        assert (a / record.path.split(a.name + "/")[1]).read_bytes() == (b / record.path.split(b.name + "/")[1]).read_bytes()
+    stamp = os.stat(a / "games.json").st_mtime_ns
+    assert prepare_games(TextWorldOptions(**SMALL, cache_dir=str(tmp_path / "a"))) == a
+    assert os.stat(a / "games.json").st_mtime_ns == stamp  # a hit: nothing generated again
+    other = prepare_games(TextWorldOptions(**{**SMALL, "quest_length": 2}, cache_dir=str(tmp_path / "a")))
+    assert other != a and not list(tmp_path.glob("a/*.partial-*"))  # other settings, another entry; no leftovers
+
+
+def test_train_and_heldout_never_share_a_game(tmp_path):
+    # held-out seeds that overlap the training seeds generate training games again: those must be skipped
+    env = _env(tmp_path, num_train_games=4, num_heldout_games=3, heldout_seed=2)
+    train = {t.meta["fingerprint"] for t in env.train}
+    heldout = {t.meta["fingerprint"] for t in env.heldout}
+    assert len(train) == 4 and len(heldout) == 3 and not train & heldout
+    assert [t.id for t in env.heldout] == ["tw-heldout-4", "tw-heldout-5", "tw-heldout-6"]  # seeds 2, 3 skipped
+    assert not {t.prompt for t in env.train} & {t.prompt for t in env.heldout}
+    assert {t.id for t in env.eval_tasks(7)} == {t.id for t in env.heldout}
+    stream = env.train_tasks()
+    assert {next(stream).id for _ in range(30)} == {t.id for t in env.train}
+
+
+def test_sft_demos_come_from_training_games_only(tmp_path):
+    env = _env(tmp_path)
+    stream, rng = env.train_tasks(), random.Random(0)  # what the SFT warm start samples (model_setup._build)
+    heldout_prompts = {t.prompt for t in env.heldout}
+    for _ in range(20):
+        task = next(stream)
+        demo = env.demo(task, rng)
+        assert task.meta["split"] == "train" and demo[0]["content"] not in heldout_prompts
+        assert [m["content"] for m in demo if m["role"] == "assistant"] == task.meta["walkthrough"]
+    with pytest.raises(ValueError, match="held-out"):
+        env.demo(env.heldout[0], rng)
+
+
+@pytest.mark.parametrize("rewards", ["sparse", "dense"])
+def test_walkthrough_wins_a_real_game_through_the_agent_loop(tmp_path, tiny, rewards):
+    _, codec = tiny
+    env = _env(tmp_path, rewards=rewards)
+    for task in env.train[:2] + env.heldout[:1]:
+        walk = task.meta["walkthrough"]
+        traj = _play(env, task, codec, [w.upper() for w in walk], max_turns=len(walk) + 1)
+        assert (traj.status, traj.reward, traj.turns, traj.metrics["won"]) == (Status.OK, 1.0, len(walk), 1.0)
+        # the observations the model saw are the ones the SFT demos teach
+        if task.meta["split"] == "train":
+            demo = env.demo(task, random.Random(0))
+            assert codec.tokenizer.decode(traj.token_ids).count(demo[2]["content"]) == 1
+
+
+def test_turn_limit_truncates_with_partial_credit_only_when_dense(tmp_path, tiny):
+    _, codec = tiny
+    for rewards, expected in (("sparse", 0.0), ("dense", 1 / 3), ("balanced", None)):
+        env = _env(tmp_path, rewards=rewards)
+        task = env.train[0]
+        walk = task.meta["walkthrough"]
+        traj = _play(env, task, codec, ["dance", *walk], max_turns=2)  # an invalid command, then one step
+        assert traj.status == Status.TRUNCATED and traj.metrics["invalid_commands"] == 1
+        if expected is not None:
+            assert traj.reward == pytest.approx(expected)
+        assert 0.0 <= traj.reward < 1.0
+
+
+def test_observation_is_bounded_and_lists_are_cut():
+    facts = [["at", ["P", "hall"], ["P", "r"]], *[["at", [f"thing {i}", "hall"], ["o", "r"]] for i in range(20)],
+             ["north_of", ["attic", "hall"], ["r", "r"]], ["link", ["hall", "wooden door", "attic"], ["r", "d", "r"]],
+             ["closed", ["wooden door"], ["d"]], ["in", ["coin", "I"], ["o", "I"]]]
+    text = render(facts, TextWorldOptions(max_items=3, observation_chars=1000))
+    assert text == ("at hall. here: thing 0, thing 1, thing 2, +17 more. exits: north (closed wooden door). "
+                    "carrying: coin.")
+    assert len(render(facts, TextWorldOptions(max_items=50, observation_chars=60))) == 60
+
+
+def test_bad_options_are_one_line_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"^env\.options\.rewards: "):
+        _env(tmp_path, rewards="often")
+    with pytest.raises(ValueError, match=r"^env\.options\.quest_length: "):
+        _env(tmp_path, quest_length=0)
