@@ -21,7 +21,6 @@ itself live in `sao.rollout` (environments never import the engine).
 from __future__ import annotations
 
 import http.server
-import importlib
 import json
 import os
 import shlex
@@ -30,11 +29,11 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from sao.envs.base import EpisodeContext, register_environment
+from sao.envs.base import EpisodeContext, import_path, register_environment
 from sao.envs.dataset import DatasetOptions, load_task_split
 from sao.types import Task
 
@@ -59,19 +58,6 @@ class AgentOptions(DatasetOptions):
         if (self.agent is None) == (self.command is None):
             raise ValueError("give exactly one of agent (module:func) and command")
         return self
-
-
-def import_path(path: str, what: str) -> Any:
-    module_name, _, attr = path.partition(":")
-    if not attr:
-        raise ValueError(f"env.options.{what}: expected module:name, got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"env.options.{what}: cannot import module {module_name!r} ({exc})") from None
-    if not callable(getattr(module, attr, None)):
-        raise ValueError(f"env.options.{what}: module {module_name!r} has no function {attr!r}")
-    return getattr(module, attr)
 
 
 class _StubEndpoint:
@@ -121,12 +107,12 @@ class AgentEnvironment:
     def __init__(self, options: AgentOptions, seed: int = 0):
         self.options, self.seed = options, seed
         self.split = load_task_split(options)
-        self.agent = import_path(options.agent, "agent") if options.agent else None
+        self.agent = import_path(options.agent, "agent", need_callable=True) if options.agent else None
         if options.command:
             argv = shlex.split(options.command)
             if not argv or shutil.which(argv[0]) is None:
                 raise ValueError(f"env.options.command: {argv[0] if argv else ''!r} is not an executable on PATH")
-        self.reward_fn = import_path(options.reward, "reward") if options.reward else None
+        self.reward_fn = import_path(options.reward, "reward", need_callable=True) if options.reward else None
 
     def check_start(self, timeout_s: float = 60.0) -> None:
         """A command agent is run once on the first training task against a stub endpoint that answers

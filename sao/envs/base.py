@@ -73,6 +73,22 @@ class Environment(Protocol):
 _REGISTRY: dict[str, type] = {}
 
 
+def import_path(path: str, what: str, need_callable: bool = False) -> Any:
+    """`module:attr` from env.options.`what`, imported; a ValueError naming the option otherwise."""
+    module_name, _, attr = path.partition(":")
+    if not attr:
+        raise ValueError(f"env.options.{what}: expected module:name, got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"env.options.{what}: cannot import module {module_name!r} ({exc})") from None
+    value = getattr(module, attr, None)
+    if value is None or need_callable and not callable(value):
+        kind = "function" if need_callable else "attribute"
+        raise ValueError(f"env.options.{what}: module {module_name!r} has no {kind} {attr!r}")
+    return value
+
+
 def register_environment(name: str, cls: type) -> type:
     _REGISTRY[name] = cls
     return cls

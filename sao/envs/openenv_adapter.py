@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import random
 import re
@@ -34,7 +33,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from sao.envs.base import EnvOptions, EpisodeContext, Message, StepResult, register_environment
+from sao.envs.base import EnvOptions, EpisodeContext, Message, StepResult, import_path, register_environment
 from sao.types import Task
 
 NOT_OBSERVED = ("reward", "done", "metadata")  # what OpenEnv's serialize_observation leaves out of the dict
@@ -83,20 +82,6 @@ class OpenEnvOptions(EnvOptions):
         if self.demo and not self.env_class:
             raise ValueError("demo episodes run in process: give env_class")
         return self
-
-
-def import_path(path: str, what: str) -> Any:
-    """`module:attr`, imported; a ValueError naming the option otherwise."""
-    module_name, _, attr = path.partition(":")
-    if not attr:
-        raise ValueError(f"env.options.{what}: expected module:name, got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"env.options.{what}: cannot import module {module_name!r} ({exc})") from None
-    if not hasattr(module, attr):
-        raise ValueError(f"env.options.{what}: module {module_name!r} has no attribute {attr!r}")
-    return getattr(module, attr)
 
 
 def _openenv():
