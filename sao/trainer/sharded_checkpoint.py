@@ -13,9 +13,11 @@ gathers whole tensors on rank 0 (e.g. for a plain HF export at the end of a run,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,6 +39,14 @@ def _distributed() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns at every save/load without a process group; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _barrier() -> None:
@@ -74,7 +84,8 @@ def save_sharded(learner, path: str | Path) -> Path:
     if _rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)
     _barrier()
-    dcp.save(model_state(learner), checkpoint_id=str(tmp))
+    with _quiet():
+        dcp.save(model_state(learner), checkpoint_id=str(tmp))
     if _rank() == 0:
         (tmp / "trainer.json").write_text(json.dumps(counters(learner)))
         old = path.with_name(path.name + ".old")
@@ -90,7 +101,8 @@ def load_sharded(learner, path: str | Path) -> None:
     """Restore a checkpoint written by `save_sharded` at any number of ranks; a collective."""
     path = Path(path)
     state = model_state(learner)  # this learner's layout: DCP reads each rank's part into it
-    dcp.load(state, checkpoint_id=str(path))
+    with _quiet():
+        dcp.load(state, checkpoint_id=str(path))
     for name, (model, opt) in _pairs(learner).items():
         set_state_dict(model, opt, model_state_dict=state[name], optim_state_dict=state[f"{name}_opt"])
     saved = json.loads((path / "trainer.json").read_text())
