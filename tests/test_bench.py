@@ -80,7 +80,8 @@ def test_experiments_ship_with_the_package_and_later_settings_win():
     package = Path(sao.bench.__file__).parent
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["sao.bench"]
     shipped = sorted(EXPERIMENTS_DIR.glob("*.yaml"))
-    assert EXPERIMENTS_DIR.parent == package and [p.stem for p in shipped] == ["ablation", "horizon", "online", "stability", "wallclock"]
+    assert EXPERIMENTS_DIR.parent == package
+    assert [p.stem for p in shipped] == ["ablation", "horizon", "online", "stability", "wallclock"]
     for path in shipped:
         assert any(fnmatch.fnmatch(str(path.relative_to(package)), g) for g in globs)  # in the wheel
         exp = load_experiment(path.stem)
