@@ -216,7 +216,14 @@ class TrainerConfig(Section):
         "trainer processes: N > 1 shards actor and critic with FSDP2 over N data-parallel ranks that sao "
         "starts itself (gloo on CPU, NCCL on GPU; docs/architecture.md §8); the math equals one process"))
     timeout_s: float = Field(600.0, gt=0, description=(
-        "trainer.ranks > 1: bound on every collective; a rank that hangs or dies stops the run within it"))
+        "trainer.ranks > 1: bound on every collective; a rank that hangs or dies stops the run within it "
+        "(runtime.backend=ray: also the wait for the cluster to place the ranks)"))
+    ray_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
+        "runtime.backend=ray, trainer.ranks > 1: Ray placement-group strategy of the rank actors (one bundle "
+        "per rank): PACK = as few nodes as fit (fast intra-node collectives), STRICT_SPREAD = one node each"))
+    rank_num_cpus: float = Field(1.0, ge=0, description="runtime.backend=ray: CPUs reserved per trainer rank actor")
+    rank_num_gpus: float = Field(0.0, ge=0, description=(
+        "runtime.backend=ray: GPUs per trainer rank actor (1 on a GPU cluster: the ranks then use NCCL)"))
 
 
 class EvalConfig(Section):

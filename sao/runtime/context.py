@@ -160,13 +160,20 @@ def build(cfg: Config, environment, progress: RunProgress, resume: Path | None =
 
 def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None):
     """The trainer behind the seam (sao/trainer/protocol.py): a one-process Learner, or at trainer.ranks=N
-    a driver of N FSDP2 ranks (this process is rank 0; sao/trainer/ranks.py). A checkpoint written at any
+    a driver of N FSDP2 ranks (this process is rank 0, sao/trainer/ranks.py; with runtime.backend=ray
+    every rank is a Ray actor, sao/trainer/ray_ranks.py). A checkpoint written at any
     number of ranks (DCP shards in trainer/) loads into any number of ranks."""
     sharded = ckpt is not None and (ckpt / "trainer").is_dir()
     if cfg.trainer.ranks > 1:
+        args = (cfg, str(model_path), str(ckpt) if ckpt is not None else None)
+        if cfg.runtime.backend == "ray":  # the ranks as Ray actors in a placement group (sao/trainer/ray_ranks.py)
+            from sao.runtime.ray_backend import connect
+            from sao.trainer.ray_ranks import start_ray_ranks
+
+            connect(cfg.runtime, cfg.trainer.ranks * cfg.trainer.rank_num_cpus)
+            return start_ray_ranks(cfg.trainer, rank_learner, args, model_path)
         from sao.trainer.ranks import start_trainer_ranks
 
-        args = (cfg, str(model_path), str(ckpt) if ckpt is not None else None)
         return start_trainer_ranks(cfg.trainer.ranks, rank_learner, args, cfg.trainer.timeout_s, model_path)
     actor, critic = build_models(cfg, model_path, ckpt)
     learner = Learner(actor, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train,

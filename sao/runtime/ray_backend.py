@@ -14,6 +14,7 @@ local backend does; the trainer side re-issues its episodes. CPUs/GPUs per worke
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 import warnings
@@ -26,6 +27,22 @@ from sao.config import RuntimeConfig
 from sao.runtime.weight_sync import flatten
 from sao.runtime.worker_host import WorkerSpec, reseed
 from sao.types import Assignment, Record, WorkerLost
+
+
+def connect(cfg: RuntimeConfig, trainer_cpus: float = 0.0) -> bool:
+    """Join runtime.ray_address, or start a local Ray; True when this call started it. A local Ray has
+    at least the CPUs its actors reserve (rollout workers, and `trainer_cpus` for trainer rank actors),
+    so none of them waits for a CPU the machine lacks: Ray's CPUs are reservations, not cores."""
+    if ray.is_initialized():
+        return False
+    if cfg.ray_address:
+        ray.init(address=cfg.ray_address, log_to_driver=False, logging_level="ERROR")
+        return True
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    wanted = math.ceil(cfg.rollout_workers * cfg.worker_num_cpus + trainer_cpus)
+    ray.init(num_cpus=cfg.ray_num_cpus or max(os.cpu_count() or 1, wanted), include_dashboard=False,
+             log_to_driver=False, object_store_memory=cfg.ray_object_store_mb * 2**20, logging_level="ERROR")
+    return True
 
 
 class FlatWeights:
@@ -114,15 +131,7 @@ class RayBackend:
         self.start_s = 0.0  # ray.init + actors created (measured, reported by benchmarks/scale_out.py)
 
     def _init(self) -> None:
-        if ray.is_initialized():
-            return
-        if self.cfg.ray_address:
-            ray.init(address=self.cfg.ray_address, log_to_driver=False, logging_level="ERROR")
-        else:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(num_cpus=self.cfg.ray_num_cpus, include_dashboard=False, log_to_driver=False,
-                     object_store_memory=self.cfg.ray_object_store_mb * 2**20, logging_level="ERROR")
-        self.started_ray = True
+        self.started_ray = connect(self.cfg)
 
     def _actor(self, spec: WorkerSpec):
         actor = RolloutActor.options(num_cpus=self.cfg.worker_num_cpus, num_gpus=self.cfg.worker_num_gpus,

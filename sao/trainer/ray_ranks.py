@@ -1,0 +1,169 @@
+"""The trainer ranks as Ray actors (trainer.ranks > 1 with runtime.backend=ray), placed on a cluster.
+
+    start_ray_ranks(cfg, world, build, args, model_path)
+        a placement group of `world` bundles, one per rank ({CPU: trainer.rank_num_cpus, GPU:
+        trainer.rank_num_gpus}, strategy trainer.ray_placement), one `TrainerRank` actor in each; rank
+        0's node chooses the rendezvous (its IP from ray.util.get_node_ip_address, a free port there),
+        every rank joins with `init_ranks` (gloo on CPU, NCCL when its bundle has a GPU: the same code)
+        and builds its learner with build(*args)
+    RayRankDriver
+        the seam (sao/trainer/protocol.py) in the driver process: a `RankDriver` whose calls go to every
+        rank actor at once (the batch is put in the object store once) and whose answer is rank 0's
+
+Every rank, rank 0 included, is an actor with a bundle of its own, so the driver (the runtime's process)
+needs no GPU; the full weights travel rank 0 -> object store -> driver -> the publish path.
+
+Faults: a rank actor that dies (its process SIGKILLed, its node lost) fails the call in progress, or
+the next one, with one line naming the rank; the other ranks are killed with it. A hung collective
+ends within trainer.timeout_s on the ranks that wait in it; a rank that has not answered GRACE_S after
+the first failure is named as hung. Ray ends a job's actors when its driver exits, even by SIGKILL,
+so no rank outlives `sao train`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from torch.utils._pytree import tree_map_only
+
+from sao.config import ConfigError, TrainerConfig
+from sao.trainer.launch import RankFailed, free_port
+from sao.trainer.ranks import COMMANDS, RankDriver
+
+GRACE_S = 10.0  # after one rank failed: how long the others may take to fail too (or be found dead)
+
+
+@ray.remote(max_restarts=0)
+class TrainerRank:
+    """One trainer rank: a `DistributedLearner` (built by `build`) in its own Ray worker process."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world, self.learner = rank, world, None
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the driver checkpoints, then closes the ranks
+
+    def where(self) -> dict:
+        """Where this rank runs; rank 0 also picks the rendezvous port on its node."""
+        ip = ray.util.get_node_ip_address()
+        out = {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "ip": ip, "pid": os.getpid()}
+        if self.rank == 0:
+            out["port"] = free_port(ip)
+        return out
+
+    def start(self, host: str, port: int, timeout_s: float, build: Callable, args: tuple) -> int:
+        from sao.trainer.distributed import init_ranks
+
+        init_ranks(self.rank, self.world, port, timeout_s, host=host)
+        self.learner = build(*args)
+        return self.learner.actor_version
+
+    def call(self, name: str, args: tuple):
+        """Run one command (sao/trainer/ranks.py COMMANDS); only rank 0's result travels back (on CPU)."""
+        out = COMMANDS[name](self.learner, *args)
+        out = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), out) if self.rank == 0 else None
+        return out, self.learner.actor_version
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RayRankDriver(RankDriver):
+    """`RankDriver` over rank actors: the same calls (step, export_weights, logprobs, save, load,
+    save_pretrained), the same sharded checkpoints. `placement` says where each rank runs."""
+
+    def __init__(self, actors: list, group, placement: list[dict], version: int, timeout_s: float, model_path=None):
+        super().__init__(None, actors[1:], model_path)
+        self.actors, self.group, self.placement = actors, group, placement
+        self.timeout_s, self._version = timeout_s, version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "placement": self.placement}  # where the ranks ran (node ids, pids)
+
+    def _call(self, name: str, *args):
+        ref = ray.put(args)  # once, whatever the number of ranks
+        out, self._version = self._gather(name, [a.call.remote(name, ref) for a in self.actors])[0]
+        return out
+
+    def _gather(self, name: str, calls: list) -> list:
+        """Every rank's answer, in rank order; on a failure every rank is stopped and the error names
+        the rank that died or hung, or is the learner's own (e.g. NonFiniteError, raised on every rank)."""
+        pending = {ref: r for r, ref in enumerate(calls)}
+        results: list = [None] * len(calls)
+        error, deadline = None, None
+        while pending:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+            if not done:
+                break  # past the grace: the ranks still pending hang
+            r = pending.pop(done[0])
+            try:
+                results[r] = ray.get(done[0])
+            except RayActorError:
+                self.close(abort=True)
+                raise RankFailed(f"{name}: {self._who(r)} died") from None
+            except RayTaskError as e:
+                error = error or e.cause
+                deadline = deadline or time.monotonic() + GRACE_S
+        if error is None and not pending:
+            return results
+        self.close(abort=True)
+        if pending:
+            hung = ", ".join(self._who(r) for r in sorted(pending.values()))
+            raise RankFailed(f"{name}: {hung} did not answer (trainer.timeout_s={self.timeout_s:g} bounds a collective)")
+        if not isinstance(error, dist.DistError):
+            raise error
+        raise RankFailed(f"{name}: a collective failed: {str(error).splitlines()[0] if str(error) else error!r}")
+
+    def _who(self, r: int) -> str:
+        p = self.placement[r] if r < len(self.placement) else {}
+        return f"trainer rank {r} (Ray actor, pid {p.get('pid', '?')} on {p.get('ip', '?')})"
+
+    def close(self, abort: bool = False) -> None:
+        """Leave the process group (politely) and end every rank actor and the placement group."""
+        if not abort:
+            try:
+                ray.get([a.close.remote() for a in self.actors], timeout=30)
+            except (RayActorError, RayTaskError, GetTimeoutError):
+                pass
+        for a in self.actors:
+            ray.kill(a)
+        if self.group is not None:
+            remove_placement_group(self.group)
+        self.actors, self.followers, self.group = [], [], None
+
+
+def start_ray_ranks(cfg: TrainerConfig, build: Callable, args: tuple, model_path=None) -> RayRankDriver:
+    """`cfg.ranks` rank actors in a placement group on the connected Ray cluster, joined and built;
+    `build(*args)` (a module-level function: it travels by reference) returns each rank's learner."""
+    world = cfg.ranks
+    bundle = {"CPU": cfg.rank_num_cpus, **({"GPU": cfg.rank_num_gpus} if cfg.rank_num_gpus else {})}
+    group = placement_group([dict(bundle) for _ in range(world)], strategy=cfg.ray_placement)
+    try:
+        ray.get(group.ready(), timeout=cfg.timeout_s)
+    except GetTimeoutError:
+        remove_placement_group(group)
+        raise ConfigError(f"trainer.ranks={world}: the Ray cluster could not place {world} bundles of {bundle} "
+                          f"({cfg.ray_placement}) within trainer.timeout_s={cfg.timeout_s:g}s; it has "
+                          f"{ray.cluster_resources()}") from None
+    actors = [TrainerRank.options(num_cpus=cfg.rank_num_cpus, num_gpus=cfg.rank_num_gpus, scheduling_strategy=
+                                  PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)).remote(r, world)
+              for r in range(world)]
+    driver = RayRankDriver(actors, group, [], 0, cfg.timeout_s, model_path)
+    driver.placement = [p for p in driver._gather("start", [a.where.remote() for a in actors])]
+    host, port = driver.placement[0]["ip"], driver.placement[0]["port"]
+    versions = driver._gather("start", [a.start.remote(host, port, cfg.timeout_s, build, args) for a in actors])
+    driver._version = versions[0]
+    return driver
