@@ -46,9 +46,11 @@ GRACE_S = 10.0  # after one rank failed: how long the others may take to fail to
 class TrainerRank:
     """One trainer rank: a `DistributedLearner` (built by `build`) in its own Ray worker process."""
 
-    def __init__(self, rank: int, world: int) -> None:
+    def __init__(self, rank: int, world: int, cwd: str) -> None:
         self.rank, self.world, self.learner = rank, world, None
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the driver checkpoints, then closes the ranks
+        if os.path.isdir(cwd):  # the driver's relative paths (run directory, critic.path) mean the same here
+            os.chdir(cwd)
 
     def where(self) -> dict:
         """Where this rank runs; rank 0 also picks the rendezvous port on its node."""
@@ -158,8 +160,8 @@ def start_ray_ranks(cfg: TrainerConfig, build: Callable, args: tuple, model_path
         raise ConfigError(f"trainer.ranks={world}: the Ray cluster could not place {world} bundles of {bundle} "
                           f"({cfg.ray_placement}) within trainer.timeout_s={cfg.timeout_s:g}s; it has "
                           f"{ray.cluster_resources()}") from None
-    actors = [TrainerRank.options(num_cpus=cfg.rank_num_cpus, num_gpus=cfg.rank_num_gpus, scheduling_strategy=
-                                  PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)).remote(r, world)
+    actors = [TrainerRank.options(num_cpus=cfg.rank_num_cpus, num_gpus=cfg.rank_num_gpus,
+                                  scheduling_strategy=PlacementGroupSchedulingStrategy(group, r)).remote(r, world, os.getcwd())
               for r in range(world)]
     driver = RayRankDriver(actors, group, [], 0, cfg.timeout_s, model_path)
     driver.placement = [p for p in driver._gather("start", [a.where.remote() for a in actors])]

@@ -1,0 +1,224 @@
+"""`sao train trainer.ranks=2 runtime.backend=ray` on the real CLI: the trainer ranks as Ray actors in a
+placement group (sao/trainer/ray_ranks.py), on the suite's one-node Ray and on a two-node Ray cluster
+started here (`ray start --head` + `ray start --address`); checkpoints that resume, a SIGKILLed rank
+actor that stops the run in one line with nothing left behind, and a hung one bounded by
+trainer.timeout_s (the local launch: tests/test_trainer_ranks.py)."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_runtime_faults import TINY, _alive, _popen, _rows, _wait_for_step, audit_of
+
+pytestmark = pytest.mark.ray
+
+RAY = [*TINY, "trainer.ranks=2", "runtime.backend=ray"]
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every process below `pid` (the suite's Ray runs under this process)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(d.name))
+        except (ValueError, OSError, IndexError):
+            continue
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        try:
+            out.append((p, Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()))
+        except OSError:
+            continue
+        todo += children.get(p, [])
+    return out
+
+
+def _ray_actors(name: str, root: int) -> list[int]:
+    return [p for p, args in _descendants(root) if f"ray::{name}" in args and _alive(p)]
+
+
+def _placement(ckpt: Path) -> list[dict]:
+    return torch.load(ckpt / "trainer_state.pt", weights_only=False)["trainer"]["placement"]
+
+
+def _latest(run: Path) -> Path:
+    return run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+
+
+def _cli(args, cwd, timeout=600):
+    return subprocess.run([sys.executable, "-m", "sao.cli", "train", *args, "--quiet"], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_ray_ranks_train_checkpoint_and_resume(tmp_path, ray_address):
+    run = tmp_path / "runs" / "r"
+    proc = _cli([*RAY, f"runtime.ray_address={ray_address}", "output.save_every=2", "output.name=r"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in _rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["train/actor_version"] == 3
+    assert any(r.get("parity/max_abs_diff", 1) <= 1e-4 for r in _rows(run))  # the gate ran against the actors
+    final = run / "checkpoints" / "final"
+    assert (final / "trainer" / ".metadata").is_file() and len(list((final / "trainer").glob("*.distcp"))) == 2
+    placement = _placement(final)
+    assert [p["rank"] for p in placement] == [0, 1] and len({p["pid"] for p in placement}) == 2
+    assert proc.returncode == 0 and not _ray_actors("TrainerRank", os.getpid())  # gone with the run
+    res = _cli(["--resume", str(run), "runtime.backend=ray", f"runtime.ray_address={ray_address}", "train.steps=6"],
+               tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in _rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["train/actor_version"] for r in rows] == [0, 1, 2, 3, 4, 5]  # counters came back from the shards
+    assert {p["pid"] for p in _placement(final)}.isdisjoint({p["pid"] for p in placement})  # new actors
+    assert not _ray_actors("TrainerRank", os.getpid())
+    audit_of(run)
+
+
+def test_a_cluster_it_cannot_place_the_ranks_on_is_refused_in_one_line(tmp_path, ray_address, sao_cli):
+    proc = sao_cli("train", *RAY, f"runtime.ray_address={ray_address}", "trainer.ray_placement=STRICT_SPREAD",
+                   "trainer.timeout_s=3", "--quiet", cwd=tmp_path)  # one node: STRICT_SPREAD cannot place 2
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "trainer.ranks=2: the Ray cluster could not place 2 bundles" in proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_ports() -> list[str]:
+    """Ports of their own for one node (two nodes share this machine; other Ray users may run here too)."""
+    names = ("node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc", "runtime-env-agent",
+             "metrics-export")
+    return [f"--{n}-port={_free_port()}" for n in names]
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A Ray cluster of two nodes on this machine, each with a custom resource naming it (node_a, node_b),
+    in a temp dir and on ports of its own; yields (address, {node id: name}). Each `ray start --block`
+    ends its own node's processes on SIGTERM (`ray stop` would end every Ray on the machine)."""
+    pytest.importorskip("ray")
+    tmp = tempfile.mkdtemp(prefix="saoray", dir="/tmp")  # short: Ray's socket paths live under it
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    common = ["--block", "--disable-usage-stats", f"--object-store-memory={80 * 2**20}"]
+    starts = [[ray_bin, "start", "--head", f"--port={port}", f"--temp-dir={tmp}", "--include-dashboard=false",
+               f"--ray-client-server-port={_free_port()}", "--num-cpus=2", '--resources={"node_a": 1}'],
+              [ray_bin, "start", f"--address={address}", "--num-cpus=1", '--resources={"node_b": 1}']]
+    nodes: list[subprocess.Popen] = []
+    try:
+        for i, args in enumerate(starts):
+            nodes.append(subprocess.Popen([*args, *common, *_node_ports()], env=env, start_new_session=True,
+                                          stdout=open(f"{tmp}/node{i}.log", "w"), stderr=subprocess.STDOUT))
+            if i == 0:  # the head must be up before a node can join it
+                _wait(lambda: subprocess.run([ray_bin, "health-check", f"--address={address}"], env=env,
+                                             capture_output=True).returncode == 0, 120, "the head node")
+        names = subprocess.run([sys.executable, "-c", _LIST_NODES, address], env=env, capture_output=True,
+                               text=True, timeout=180)
+        assert names.returncode == 0, names.stderr[-2000:]
+        yield address, json.loads(names.stdout.strip().splitlines()[-1])
+    finally:
+        mine = [p for n in nodes for p, _ in [(n.pid, "")] + _descendants(n.pid)]
+        for n in nodes[::-1]:
+            n.send_signal(signal.SIGTERM)
+        for n in nodes[::-1]:
+            try:
+                n.wait(60)
+            except subprocess.TimeoutExpired:
+                n.kill()
+        _wait(lambda: not any(_alive(p) for p in mine), 30, None)
+        for p in mine:  # only this cluster's own processes, if any is still there
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+_LIST_NODES = """
+import json, sys, time, ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+deadline = time.time() + 150
+while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.time() < deadline:
+    time.sleep(0.5)
+print(json.dumps({n["NodeID"]: next(k for k in ("node_a", "node_b") if k in n["Resources"])
+                  for n in ray.nodes() if n["Alive"]}))
+"""
+
+
+def _wait(cond, timeout: float, what: str | None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.5)
+    assert what is None, f"{what} did not come up in {timeout}s"
+
+
+def test_ranks_spread_over_two_nodes(tmp_path, two_nodes):
+    address, names = two_nodes
+    assert sorted(names.values()) == ["node_a", "node_b"]
+    proc = _cli([*RAY, f"runtime.ray_address={address}", "trainer.ray_placement=STRICT_SPREAD", "train.steps=2",
+                 "output.name=n"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "n"
+    assert [r["step"] for r in _rows(run) if "reward/mean" in r] == [1, 2]
+    placement = _placement(run / "checkpoints" / "final")
+    assert sorted(names[p["node_id"]] for p in placement) == ["node_a", "node_b"]  # one rank on each node
+    assert not any(_alive(p["pid"]) for p in placement)
+
+
+def test_a_killed_rank_actor_stops_the_run_in_one_line_and_resume_on_one_rank(tmp_path, ray_address):
+    run = tmp_path / "runs" / "k"
+    proc = _popen([*RAY, f"runtime.ray_address={ray_address}", "train.steps=12", "output.save_every=2",
+                   "output.name=k"], tmp_path)
+    _wait_for_step(proc, run, 3)
+    placement = _placement(_latest(run))
+    rollout = _ray_actors("RolloutActor", os.getpid())
+    assert rollout and all(_alive(p["pid"]) for p in placement)
+    t0 = time.time()
+    os.kill(placement[1]["pid"], signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert time.time() - t0 < 60 and proc.returncode == 1, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert f"trainer rank 1 (Ray actor, pid {placement[1]['pid']}" in line and "died" in line, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    _wait(lambda: not any(_alive(p) for p in [placement[0]["pid"], *rollout]), 15, None)
+    assert not any(_alive(p) for p in [placement[0]["pid"], *rollout]), "a process outlived the run"
+    assert not _ray_actors("TrainerRank", os.getpid())
+    res = _cli(["--resume", str(run), "trainer.ranks=1", f"runtime.ray_address={ray_address}"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["step"] for r in _rows(run) if "reward/mean" in r] == list(range(1, 13))
+    audit_of(run)  # every issued episode trained, dropped or pending; none trained twice
+
+
+def test_a_hung_rank_actor_is_bounded_by_the_collective_timeout(tmp_path, ray_address):
+    run = tmp_path / "runs" / "h"
+    proc = _popen([*RAY, f"runtime.ray_address={ray_address}", "train.steps=12", "output.save_every=1",
+                   "trainer.timeout_s=10", "output.name=h"], tmp_path)
+    _wait_for_step(proc, run, 2)
+    hung = _placement(_latest(run))[1]["pid"]
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        t0 = time.time()
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 1 and time.time() - t0 < 90, err[-3000:]
+        line = err.strip().splitlines()[-1]
+        assert f"trainer rank 1 (Ray actor, pid {hung}" in line and "did not answer" in line, err[-3000:]
+        _wait(lambda: not _alive(hung), 15, None)
+        assert not _alive(hung) and not _ray_actors("TrainerRank", os.getpid())
+    finally:
+        if _alive(hung):
+            os.kill(hung, signal.SIGKILL)
