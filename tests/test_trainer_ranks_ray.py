@@ -222,3 +222,22 @@ def test_a_hung_rank_actor_is_bounded_by_the_collective_timeout(tmp_path, ray_ad
     finally:
         if _alive(hung):
             os.kill(hung, signal.SIGKILL)
+
+
+def test_one_command_starts_its_own_ray_and_ctrl_c_checkpoints_and_leaves_nothing(tmp_path):
+    """No runtime.ray_address: the run starts a local Ray for its rollout workers and rank actors. Ctrl-C
+    (SIGINT to the terminal's whole process group) writes a checkpoint with every rank's shards, then
+    everything the run started is gone."""
+    run = tmp_path / "runs" / "c"
+    proc = subprocess.Popen([sys.executable, "-m", "sao.cli", "train", *RAY, "train.steps=20", "output.name=c",
+                             "--quiet"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    _wait_for_step(proc, run, 1)
+    started = [p for p, _ in _descendants(proc.pid)]
+    assert len(_ray_actors("TrainerRank", proc.pid)) == 2
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130 and "checkpoint" in err and "Traceback" not in err, err[-3000:]
+    assert len(list((_latest(run) / "trainer").glob("*.distcp"))) == 2
+    _wait(lambda: not any(_alive(p) for p in started), 30, None)
+    assert not any(_alive(p) for p in started), "a process outlived the run"
