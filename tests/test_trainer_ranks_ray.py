@@ -241,3 +241,13 @@ def test_one_command_starts_its_own_ray_and_ctrl_c_checkpoints_and_leaves_nothin
     assert len(list((_latest(run) / "trainer").glob("*.distcp"))) == 2
     _wait(lambda: not any(_alive(p) for p in started), 30, None)
     assert not any(_alive(p) for p in started), "a process outlived the run"
+
+
+def test_tensors_travel_from_rank_0_as_numpy_bytes_and_come_back_equal():
+    from sao.trainer.ray_ranks import Packed
+
+    for t in (torch.randn(3, 5), torch.randn(7).to(torch.bfloat16), torch.tensor(2.5), torch.zeros(0, 4),
+              torch.arange(6).view(2, 3).t()):  # the last one is not contiguous
+        back = Packed(t).tensor()
+        assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+        back += 1  # a plain writable tensor, not a view of the object store's read-only bytes

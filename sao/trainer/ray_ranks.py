@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable
 
 import ray
@@ -40,6 +41,23 @@ from sao.trainer.launch import RankFailed, free_port
 from sao.trainer.ranks import COMMANDS, RankDriver
 
 GRACE_S = 10.0  # after one rank failed: how long the others may take to fail too (or be found dead)
+
+
+class Packed:
+    """A tensor on its way from rank 0 to the driver: its bytes as a numpy array, which Ray moves
+    without pickling (a pickled torch tensor crawls: 5x slower for a 128 MB export,
+    benchmarks/ray_ranks.py); `tensor()` is a plain, writable copy on the driver."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.dtype, self.shape = t.dtype, tuple(t.shape)
+        self.data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+    def tensor(self) -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the object store's array is read-only; it is only copied
+            out = torch.empty(self.shape, dtype=self.dtype)
+            out.view(-1).view(torch.uint8).copy_(torch.from_numpy(self.data))
+            return out
 
 
 @ray.remote(max_restarts=0)
@@ -68,9 +86,9 @@ class TrainerRank:
         return self.learner.actor_version
 
     def call(self, name: str, args: tuple):
-        """Run one command (sao/trainer/ranks.py COMMANDS); only rank 0's result travels back (on CPU)."""
+        """Run one command (sao/trainer/ranks.py COMMANDS); only rank 0's result travels back (on CPU, `Packed`)."""
         out = COMMANDS[name](self.learner, *args)
-        out = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), out) if self.rank == 0 else None
+        out = tree_map_only(torch.Tensor, Packed, out) if self.rank == 0 else None
         return out, self.learner.actor_version
 
     def close(self) -> None:
@@ -97,7 +115,7 @@ class RayRankDriver(RankDriver):
     def _call(self, name: str, *args):
         ref = ray.put(args)  # once, whatever the number of ranks
         out, self._version = self._gather(name, [a.call.remote(name, ref) for a in self.actors])[0]
-        return out
+        return tree_map_only(Packed, Packed.tensor, out)
 
     def _gather(self, name: str, calls: list) -> list:
         """Every rank's answer, in rank order; on a failure every rank is stopped and the error names
