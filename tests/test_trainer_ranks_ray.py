@@ -193,6 +193,7 @@ def test_a_killed_rank_actor_stops_the_run_in_one_line_and_resume_on_one_rank(tm
     out, err = proc.communicate(timeout=120)
     assert time.time() - t0 < 60 and proc.returncode == 1, err[-3000:]
     line = err.strip().splitlines()[-1]
+    print(f"stopped {time.time() - t0:.1f} s after the SIGKILL: {line}")  # shown with pytest -s
     assert f"trainer rank 1 (Ray actor, pid {placement[1]['pid']}" in line and "died" in line, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     _wait(lambda: not any(_alive(p) for p in [placement[0]["pid"], *rollout]), 15, None)
@@ -216,6 +217,7 @@ def test_a_hung_rank_actor_is_bounded_by_the_collective_timeout(tmp_path, ray_ad
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 1 and time.time() - t0 < 90, err[-3000:]
         line = err.strip().splitlines()[-1]
+        print(f"stopped {time.time() - t0:.1f} s after the SIGSTOP: {line}")  # shown with pytest -s
         assert f"trainer rank 1 (Ray actor, pid {hung}" in line and "did not answer" in line, err[-3000:]
         _wait(lambda: not _alive(hung), 15, None)
         assert not _alive(hung) and not _ray_actors("TrainerRank", os.getpid())

@@ -8,7 +8,8 @@
     version                         the policy version (actor optimizer steps) engines and tokens carry
 
 The one-process implementation is `sao.trainer.learner.Learner`; at trainer.ranks > 1 it is
-`sao.trainer.ranks.RankDriver` (rank 0 drives FSDP2 ranks that follow). The runtime never reaches into
+`sao.trainer.ranks.RankDriver` (rank 0 drives FSDP2 ranks that follow), or with runtime.backend=ray
+`sao.trainer.ray_ranks.RayRankDriver` (every rank a Ray actor). The runtime never reaches into
 a trainer's models or optimizers, so the loop is the same at 1 and N ranks.
 """
 

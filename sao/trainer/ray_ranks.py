@@ -175,14 +175,16 @@ def start_ray_ranks(cfg: TrainerConfig, build: Callable, args: tuple, model_path
         ray.get(group.ready(), timeout=cfg.timeout_s)
     except GetTimeoutError:
         remove_placement_group(group)
+        have = ray.cluster_resources()
+        nodes = len([n for n in ray.nodes() if n["Alive"]])
         raise ConfigError(f"trainer.ranks={world}: the Ray cluster could not place {world} bundles of {bundle} "
-                          f"({cfg.ray_placement}) within trainer.timeout_s={cfg.timeout_s:g}s; it has "
-                          f"{ray.cluster_resources()}") from None
+                          f"({cfg.ray_placement}) within trainer.timeout_s={cfg.timeout_s:g}s; it has {nodes} "
+                          f"node(s), {have.get('CPU', 0):g} CPUs, {have.get('GPU', 0):g} GPUs") from None
     actors = [TrainerRank.options(num_cpus=cfg.rank_num_cpus, num_gpus=cfg.rank_num_gpus,
                                   scheduling_strategy=PlacementGroupSchedulingStrategy(group, r)).remote(r, world, os.getcwd())
               for r in range(world)]
     driver = RayRankDriver(actors, group, [], 0, cfg.timeout_s, model_path)
-    driver.placement = [p for p in driver._gather("start", [a.where.remote() for a in actors])]
+    driver.placement = driver._gather("start", [a.where.remote() for a in actors])
     host, port = driver.placement[0]["ip"], driver.placement[0]["port"]
     versions = driver._gather("start", [a.start.remote(host, port, cfg.timeout_s, build, args) for a in actors])
     driver._version = versions[0]
