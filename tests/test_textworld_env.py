@@ -128,3 +128,26 @@ def test_bad_options_are_one_line_errors(tmp_path):
         _env(tmp_path, rewards="often")
     with pytest.raises(ValueError, match=r"^env\.options\.quest_length: "):
         _env(tmp_path, quest_length=0)
+
+
+@pytest.mark.parametrize("commands", ["listed", "numbered"])
+def test_commands_are_listed_and_numbered_demos_win(tmp_path, tiny, commands):
+    _, codec = tiny
+    env = _env(tmp_path, commands=commands)
+    for task in env.train[:2]:
+        demo = env.demo(task, random.Random(0))
+        assert "\ncan: " in demo[0]["content"] and "look" not in demo[0]["content"].split("can: ")[1]
+        answers = [m["content"] for m in demo if m["role"] == "assistant"]
+        if commands == "numbered":
+            assert all(a.isdigit() for a in answers) and "can: 1 " in demo[0]["content"]
+        else:
+            assert answers == task.meta["walkthrough"]
+        # what the demo answers wins the real game through the agent loop, and the observations match
+        traj = _play(env, task, codec, answers, max_turns=len(answers))
+        assert (traj.status, traj.reward) == (Status.OK, 1.0)
+        if len(answers) > 1:
+            assert codec.tokenizer.decode(traj.token_ids).count(demo[2]["content"].split("\ncan: ")[1]) == 1
+    # a number out of range, or one when commands are only listed, is an invalid command
+    ep = env.new_episode(None)
+    ep.reset(env.train[0])
+    assert ep.step("99").observation.startswith("(invalid) ") and ep.counts["invalid_commands"] == 1
