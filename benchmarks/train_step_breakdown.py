@@ -1,4 +1,4 @@
-"""Where the time of one SAO train step goes, pass by pass (issue 21 item 3; docs/performance.md §6).
+"""Where the time of one SAO train step goes, pass by pass (docs/performance.md §6).
 
     python benchmarks/train_step_breakdown.py [--batches 4] [--repeats 3] [--threads 1] [key=value ...]
 
@@ -17,10 +17,13 @@ warm-up) with timers wrapped around each part of `Learner.step`, call by call:
                      rollout's behavior log-probs, there is no pi_old recomputation)
     actor_loss       the DIS loss; actor_bwd, actor_clip, actor_opt as for the critic
     other            the rest of `step`: metrics, whitening, masks, Python between the parts
+    step, step_cpu   the whole step in wall-clock, and in this process's CPU time (less disturbed by
+                     other processes on the cores)
 
 Each figure is the median over `--repeats` sweeps of the per-batch time (models restart from the same
 weights each sweep), after a warm-up sweep; the table is the mean over batches of those medians.
-`--profile` adds the top operators by self CPU time (torch.profiler) of one sweep. Writes
+`--profile` adds the top operators by self CPU time (torch.profiler) of one sweep; `--ab` times whole
+steps with and without the kept packed mask and the shared log-softmax (paired, alternating). Writes
 benchmarks/results/train_step_breakdown.json.
 """
 
@@ -51,7 +54,7 @@ def parts(k: int) -> list[str]:
     """The table's rows for K critic updates."""
     critic = [f"critic_{p}_{i}" for i in range(k) for p in ("fwd", "loss", "bwd", "clip", "opt")]
     return ["collate", "pack", *critic, "critic_v2", "gae", "actor_fwd", "actor_loss", "actor_bwd", "actor_clip",
-            "actor_opt", "other", "step"]
+            "actor_opt", "other", "step", "step_cpu"]
 
 
 class Timers:
@@ -122,12 +125,13 @@ def instrumented(timers: Timers):
 def one_step(learner, trajs, pad: int) -> dict[str, float]:
     timers = Timers()
     with instrumented(timers):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         batch = collate(trajs, pad)
         timers.t["collate"] = time.perf_counter() - t0
         learner.step(batch)
         timers.t["step"] = time.perf_counter() - t0
-    timers.t["other"] = timers.t["step"] - sum(v for k, v in timers.t.items() if k not in ("step", "other"))
+        timers.t["step_cpu"] = time.process_time() - c0  # this process's CPU time: less disturbed by others
+    timers.t["other"] = timers.t["step"] - sum(v for k, v in timers.t.items() if k not in ("step", "step_cpu", "other"))
     return dict(timers.t)
 
 
@@ -143,6 +147,52 @@ def sweep_all(cfg, model_path, pad: int, batches, repeats: int):
                 runs[i].append(row)
     med = [{k: statistics.median(r.get(k, 0.0) for r in rows) for k in order} for rows in runs]
     return {k: statistics.mean(m[k] for m in med) for k in order}, med, learner
+
+
+@contextlib.contextmanager
+def before_changes():
+    """The trainer passes as they were before the mask was kept and the log-softmax shared: every pass
+    builds its own attention mask, log-probs and entropy take a log-softmax each (same numbers, more work)."""
+    import sao.trainer.packing as packing
+    from sao.models.actor import token_entropy, token_logprobs
+
+    def two_softmaxes(logits, ids, entropy_grad=False):
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = token_entropy(logits)
+        return token_logprobs(logits, ids), entropy
+
+    saved = packing.attention_mask, packing.token_logprobs_and_entropy
+    packing.attention_mask, packing.token_logprobs_and_entropy = (lambda model, p: None), two_softmaxes
+    try:
+        yield
+    finally:
+        packing.attention_mask, packing.token_logprobs_and_entropy = saved
+
+
+def ab_steps(cfg, model_path, pad: int, batches, repeats: int) -> dict:
+    """Whole-step seconds before/after the changes, batch by batch, the order alternating: paired
+    ratios are robust to a load that drifts. Both learners start from the same weights every sweep."""
+    actor0, critic0 = build_models(cfg, model_path, None)
+    pairs = []
+    for sweep in range(repeats + 1):
+        learners = {v: train_step.make_learner(cfg, "sao", cfg.train.pack, actor0, critic0) for v in ("before", "after")}
+        for i, trajs in enumerate(batches):
+            t = {}
+            for v in (("before", "after") if (sweep + i) % 2 else ("after", "before")):
+                with before_changes() if v == "before" else contextlib.nullcontext():
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    learners[v].step(collate(trajs, pad))
+                    t[v], t[f"{v}_cpu"] = time.perf_counter() - t0, time.process_time() - c0
+            if sweep:
+                pairs.append(t)
+    out = {"pairs_s": pairs}
+    for clock in ("", "_cpu"):  # wall-clock, and this process's CPU time (less disturbed by other processes)
+        ratios = [p["after" + clock] / p["before" + clock] for p in pairs]
+        out[f"median_before{clock}_s"] = statistics.median(p["before" + clock] for p in pairs)
+        out[f"median_after{clock}_s"] = statistics.median(p["after" + clock] for p in pairs)
+        out[f"median_ratio{clock}"] = statistics.median(ratios)
+        out[f"ratio{clock}_range"] = [min(ratios), max(ratios)]
+    return out
 
 
 def top_ops(learner, batches, pad: int, n: int = 15) -> list[dict]:
@@ -162,6 +212,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="also list the top operators (torch.profiler)")
+    ap.add_argument("--ab", action="store_true", help="also time whole steps before/after the changes, paired")
     ap.add_argument("--out", default="benchmarks/results/train_step_breakdown.json")
     ap.add_argument("overrides", nargs="*")
     ns = ap.parse_args()
@@ -179,14 +230,23 @@ def main() -> None:
                "mean_s": mean, "per_batch_s": per_batch}
     if ns.profile:
         summary["top_ops"] = top_ops(learner, batches, pad)
+    if ns.ab:
+        summary["ab"] = ab_steps(cfg, model_path, pad, batches, ns.repeats)
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))
     print(f"{'part of one SAO step':<16}{'ms':>9}{'share':>8}")
-    for k in mean:
+    for k in mean:  # step_cpu: the process's CPU time; its share is CPU / wall (below 1 when others load the cores)
         print(f"{k:<16}{1000 * mean[k]:>9.1f}{mean[k] / mean['step']:>8.1%}")
     for row in summary.get("top_ops", []):
         print(f"  {row['op'][:48]:<48}{row['calls']:>7}{row['self_ms_per_step']:>9.1f} ms/step")
+    if ns.ab:
+        ab = summary["ab"]
+        for clock, name in (("", "wall"), ("_cpu", "CPU")):
+            lo, hi = ab[f"ratio{clock}_range"]
+            print(f"whole step {name}, {len(ab['pairs_s'])} pairs: before {1000 * ab[f'median_before{clock}_s']:.1f} ms, "
+                  f"after {1000 * ab[f'median_after{clock}_s']:.1f} ms (medians); after/before median "
+                  f"{ab[f'median_ratio{clock}']:.3f} [{lo:.3f}, {hi:.3f}]")
     print(f"results: {out}")
 
 
