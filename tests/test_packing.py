@@ -124,3 +124,88 @@ def test_learner_step_same_numbers_packed_or_padded(model_dir, algo, keys):
     assert ref["perf/padded_frac"] > 0.3 and fast["perf/padded_frac"] < ref["perf/padded_frac"]
     for key in keys:
         assert fast[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+
+
+def _packed_pass(model_dir, trajs, keep_mask: bool, critic: bool):
+    """Outputs and gradients of one packed pass, with the kept 4-D mask or with the model building its own."""
+    import sao.trainer.packing as packing
+
+    model = build_critic(model_dir) if critic else load_model(model_dir).train()
+    if critic:
+        torch.manual_seed(0)
+        torch.nn.init.normal_(model.score.weight)
+    batch = collate(trajs, pad_id=0)
+    batch.packing = pack(batch.input_ids, batch.attention_mask)
+    saved = packing.attention_mask
+    if not keep_mask:  # the path before masks were kept: no mask given, the model builds one per pass
+        packing.attention_mask = lambda model, p: None
+    try:
+        if critic:
+            out = critic_forward(model, batch)
+            loss, _ = value_loss(out, batch.rewards.cumsum(1), batch.action_mask)
+            outs = [out.detach()]
+        else:
+            lp, ent = actor_logprobs(model, batch)
+            loss, _ = dis_policy_loss(lp, batch.behavior_logprobs, torch.ones_like(lp), batch.action_mask, 0.3, 5.0)
+            outs = [lp.detach(), ent]
+    finally:
+        packing.attention_mask = saved
+    loss.backward()
+    return outs + [loss.detach()], _grads(model), batch.packing
+
+
+@pytest.mark.parametrize("critic", [False, True])
+def test_kept_attention_mask_same_bits_as_the_models_own(model_dir, critic):
+    """The mask built once per batch and reused by every pass gives bit-identical outputs and gradients to
+    the model building it from the position ids on each pass; it is built once per (implementation, dtype)."""
+    trajs = _trajectories(LENGTHS, seed=3)
+    ref_out, ref_grads, _ = _packed_pass(model_dir, trajs, keep_mask=False, critic=critic)
+    out, grads, p = _packed_pass(model_dir, trajs, keep_mask=True, critic=critic)
+    assert len(p.masks) == 1 and next(iter(p.masks.values())).ndim == 4  # the kept mask was used
+    for a, b in zip(ref_out, out):
+        assert torch.equal(a, b)
+    assert ref_grads.keys() == grads.keys() and all(torch.equal(ref_grads[n], grads[n]) for n in grads)
+
+
+def test_shared_log_softmax_same_bits_as_two_passes():
+    """token_logprobs_and_entropy = token_logprobs + token_entropy, bit for bit, and the same gradient."""
+    from sao.models.actor import token_entropy, token_logprobs, token_logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 9, 17, generator=g, requires_grad=True)
+    ids = torch.randint(0, 17, (3, 9), generator=g)
+    lp_ref, ent_ref = token_logprobs(logits, ids), token_entropy(logits.detach())
+    (grad_ref,) = torch.autograd.grad(lp_ref.sum(), logits)
+    lp, ent = token_logprobs_and_entropy(logits, ids)
+    (grad,) = torch.autograd.grad(lp.sum(), logits)
+    assert torch.equal(lp, lp_ref) and torch.equal(ent, ent_ref) and torch.equal(grad, grad_ref)
+    assert not ent.requires_grad
+    lp2, ent2 = token_logprobs_and_entropy(logits, ids, entropy_grad=True)
+    assert ent2.requires_grad and torch.equal(ent2.detach(), ent_ref)
+
+
+@pytest.mark.parametrize("algo", ["sao", "grpo"])
+def test_learner_step_same_bits_with_kept_mask(model_dir, algo, monkeypatch):
+    """A whole step whose passes (critic x K, v2, actor; or pi_old and PPO minibatches) reuse one kept
+    mask gives every metric and weight bit for bit as when each pass builds its own."""
+    import sao.trainer.packing as packing
+
+    trajs = _trajectories(LENGTHS, seed=4)
+    runs = []
+    for keep in (False, True):
+        if not keep:
+            monkeypatch.setattr(packing, "attention_mask", lambda model, p: None)
+        else:
+            monkeypatch.undo()
+        torch.manual_seed(0)
+        actor, critic = load_model(model_dir), build_critic(model_dir)
+        learner = Learner(actor, critic, get_algorithm(algo), AlgoConfig(group_size=4), CriticConfig(warmup_steps=0),
+                          TrainConfig(lr=1e-3))
+        batch = collate(trajs, pad_id=0)
+        if algo == "grpo":
+            batch.group_ids = [str(i // 4) for i in range(len(trajs))]
+        m = learner.step(batch)
+        runs.append(({k: v for k, v in m.items() if not k.startswith("perf/")}, actor.state_dict()))
+    (m0, w0), (m1, w1) = runs
+    assert m0 == m1
+    assert all(torch.equal(w0[n], w1[n]) for n in w0)

@@ -6,6 +6,8 @@
              a block-diagonal causal mask from them (transformers' masking_utils,
              `find_packed_sequence_indices`; flash/sdpa/eager alike), so no token sees another
              trajectory
+    mask     that mask is built once per batch and given (4-D) to every pass of the step, the critic's
+             and the actor's, instead of each pass rebuilding it (`attention_mask`; same bits)
     unpack   one gather brings (R, L) outputs back to the (B, T) padded layout, so GAE, DIS and the
              value loss see exactly the tensors of the padded path (tests/test_packing.py compares
              losses and gradients of both paths)
@@ -17,11 +19,12 @@ would read the previous segment's last output, so it unpacks to 0, as position 0
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from transformers.masking_utils import create_causal_mask
 
-from sao.models.actor import token_entropy, token_logprobs
+from sao.models.actor import token_logprobs_and_entropy
 from sao.models.critic import critic_values
 
 
@@ -31,6 +34,8 @@ class Packing:
     position_ids: torch.Tensor  # (R, L) 0.. within each trajectory (and within the padding tail)
     index: torch.Tensor  # (B, T) flat index into R*L of each token of the padded layout (0 on padding)
     valid: torch.Tensor  # (B, T) bool, a real token that has a prefix (position 0 never has one)
+    # 4-D attention masks built from position_ids, per (attention implementation, dtype): see attention_mask
+    masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def positions(self) -> int:
@@ -82,21 +87,46 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packing:
     return Packing(packed, position_ids, index, valid)
 
 
-def _inputs(batch) -> dict:
-    """Model inputs of a batch: packed rows + position ids, or the padded batch + attention mask."""
+# architectures whose forward builds one full-attention mask with `create_causal_mask` and uses a 4-D
+# mask given to it as is (others, e.g. sliding-window layers, build more than one: they build their own)
+_MASK_REUSE_MODELS = ("llama", "qwen2", "qwen3")
+
+
+def attention_mask(model, p: Packing) -> torch.Tensor | None:
+    """The block-diagonal causal mask transformers builds from the packed position ids, built once per
+    batch and kept: every pass of a step (K critic updates, v2, the actor) would rebuild the same one.
+    The model uses a given 4-D mask as is, so its outputs are the same bit for bit
+    (tests/test_packing.py). None where reuse does not apply: the model then builds its own."""
+    config = model.config
+    if config.model_type not in _MASK_REUSE_MODELS or set(getattr(config, "layer_types", None)
+                                                           or ["full_attention"]) != {"full_attention"}:
+        return None
+    dtype = model.get_input_embeddings().weight.dtype  # that of the embeddings the model builds it from
+    key = (config._attn_implementation, dtype)
+    if key not in p.masks:
+        embeds = p.input_ids.new_empty((*p.input_ids.shape, 0), dtype=dtype)  # only its shape, dtype, device count
+        mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                                  position_ids=p.position_ids)
+        p.masks[key] = mask if isinstance(mask, torch.Tensor) and mask.ndim == 4 else None
+    return p.masks[key]
+
+
+def _inputs(batch, model) -> dict:
+    """Model inputs of a batch: packed rows + position ids (+ the kept 4-D mask), or the padded batch +
+    attention mask."""
     p = batch.packing
     if p is None:
         return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
-    return {"input_ids": p.input_ids, "position_ids": p.position_ids, "use_cache": False}
+    return {"input_ids": p.input_ids, "position_ids": p.position_ids, "attention_mask": attention_mask(model, p),
+            "use_cache": False}
 
 
 def actor_logprobs(actor, batch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One actor forward -> (logprobs (B, T) with grad, entropy (B, T); with grad only if asked)."""
-    kw = _inputs(batch)
+    kw = _inputs(batch, actor)
     logits = actor(**kw).logits  # (R, L, V) or (B, T, V)
-    logprobs = token_logprobs(logits, kw["input_ids"])
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = token_entropy(logits)  # a metric only unless an entropy bonus is on
+    # one log-softmax for both; the entropy is a metric only unless an entropy bonus is on
+    logprobs, entropy = token_logprobs_and_entropy(logits, kw["input_ids"], entropy_grad)
     if batch.packing is not None:
         logprobs, entropy = batch.packing.unpack(logprobs), batch.packing.unpack(entropy)
     return logprobs, entropy
@@ -104,6 +134,6 @@ def actor_logprobs(actor, batch, entropy_grad: bool = False) -> tuple[torch.Tens
 
 def critic_forward(critic, batch) -> torch.Tensor:
     """One critic forward -> values (B, T), V(s_t) at t (grad follows the caller's mode)."""
-    kw = _inputs(batch)
+    kw = _inputs(batch, critic)
     values = critic_values(critic, kw["input_ids"], kw.get("attention_mask"), kw.get("position_ids"))
     return values if batch.packing is None else batch.packing.unpack(values)
