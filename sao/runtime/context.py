@@ -161,7 +161,8 @@ def build(cfg: Config, environment, progress: RunProgress, resume: Path | None =
 def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None):
     """The trainer behind the seam (sao/trainer/protocol.py): a one-process Learner, or at trainer.ranks=N
     a driver of N FSDP2 ranks (this process is rank 0; sao/trainer/ranks.py). A checkpoint written at any
-    number of ranks (DCP shards in trainer/) loads into any number of ranks."""
+    number of ranks (DCP shards in trainer/, or a one-rank run's HF folders and plain optimizer states)
+    loads into any number of ranks."""
     sharded = ckpt is not None and (ckpt / "trainer").is_dir()
     if cfg.trainer.ranks > 1:
         from sao.trainer.ranks import start_trainer_ranks
@@ -188,8 +189,10 @@ def rank_learner(cfg: Config, model_path: str, ckpt: str | None):
     ckpt = Path(ckpt) if ckpt is not None else None
     actor, critic = build_models(cfg, Path(model_path), ckpt)
     learner = DistributedLearner(actor, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train)
-    if ckpt is not None:
-        load_sharded(learner, ckpt / "trainer")  # preflight refused a checkpoint without shards
+    if ckpt is not None and (ckpt / "trainer").is_dir():
+        load_sharded(learner, ckpt / "trainer")
+    # else a one-rank checkpoint: weights from its HF folders (build_models); its optimizer states and
+    # counters follow from rank 0 when the context loads trainer_state.pt (RankDriver.load_state_dict)
     return learner
 
 

@@ -2,7 +2,7 @@
 
     start_trainer_ranks(world, build, args)   this process becomes rank 0; ranks 1..N-1 are spawned
                                               children; every rank builds its learner with build(*args)
-    RankDriver.step / export_weights / save / load
+    RankDriver.step / export_weights / save / load / load_state_dict
                                               broadcast the command (and the batch) to the followers,
                                               then run it here: every rank runs the same collectives
     follow(learner)                           a follower's loop: receive a command, run it, until close
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from sao.trainer.launch import RankFailed, free_port
-from sao.trainer.sharded_checkpoint import load_sharded, save_sharded
+from sao.trainer.sharded_checkpoint import load_one_process, load_sharded, save_sharded
 
 COMMANDS: dict[str, Callable] = {
     "step": lambda learner, batch: learner.step(batch),
@@ -26,6 +26,7 @@ COMMANDS: dict[str, Callable] = {
     "logprobs": lambda learner, batch: learner.logprobs(batch),
     "save": save_sharded,
     "load": load_sharded,
+    "load_one_process": load_one_process,  # rank 0 adds the state; the followers receive it tensor by tensor
 }
 
 
@@ -78,10 +79,11 @@ class RankDriver:
     def version(self) -> int:
         return self.learner.actor_version
 
-    def _call(self, name: str, *args):
+    def _call(self, name: str, *args, rank0_only: tuple = ()):
+        """Run command `name` on every rank; `rank0_only` arguments are not sent (the command shares them)."""
         try:
             dist.broadcast_object_list([(name, args)], src=0)
-            return COMMANDS[name](self.learner, *args)
+            return COMMANDS[name](self.learner, *args, *rank0_only)
         except Exception as e:
             dead = [(i + 1, p.exitcode) for i, p in enumerate(self.followers) if not p.is_alive()]
             self.close(abort=True)  # the followers failed alike (the math is global) or are stuck: stop them
@@ -103,7 +105,11 @@ class RankDriver:
         return {"sharded": "trainer", "ranks": len(self.followers) + 1}
 
     def load_state_dict(self, state: dict) -> None:
-        """Nothing here: every rank loaded its shards when it was built (sao/runtime/context.py)."""
+        """A sharded checkpoint: nothing here, every rank loaded its shards when it was built
+        (sao/runtime/context.py). A one-rank run's `Learner.state_dict()`: optimizer states and counters
+        from this rank to all (1 -> N; the weights came from the checkpoint's HF folders)."""
+        if "sharded" not in state:
+            self._call("load_one_process", rank0_only=(state,))
 
     def save_pretrained(self, folder, tokenizer, merged: bool = False) -> None:
         from pathlib import Path
