@@ -324,19 +324,23 @@ def _optimizer_steps(state: dict) -> list[float]:
     return [float(s["step"]) for opt in ("actor_opt", "critic_opt") for s in state[opt]["state"].values()]
 
 
-@pytest.mark.slow  # ~20 s here: two spawned ranks, one DCP round trip
-def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_model_dir, tmp_path):
+@pytest.mark.slow  # ~30 s each here: two spawned ranks, one DCP round trip
+@pytest.mark.parametrize("lora", [0, 4])
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_model_dir, tmp_path, lora):
     """1 -> 2: a one-process run's checkpoint (HF folders + `Learner.state_dict()`, as sao/runtime writes
     it) loads into two FSDP2 ranks built the way `sao train --resume trainer.ranks=2` builds them; one
-    more step there equals the one-process run's second step (weights, both AdamW states, counters)."""
+    more step there equals the one-process run's second step (weights, both AdamW states, counters);
+    with LoRA actor and critic too (adapter folders on the base model, adapter-only AdamW states)."""
+    from sao.models.lora import adapter_base
     from sao.models.tokenizer import load_tokenizer
     from sao.runtime.context import rank_learner
     from sao.trainer.ranks import start_trainer_ranks
     from sao.trainer.sharded_checkpoint import full_state, load_sharded
 
-    cfg = _config(**{"critic.warmup_steps": 0, "train.lr": 1e-3})  # the first step moves both AdamW states
+    # critic.warmup_steps=0: the first step moves both AdamW states
+    cfg = _config(**{"critic.warmup_steps": 0, "train.lr": 1e-3, "model.lora.r": lora, "critic.lora.r": lora})
     algo = get_algorithm(cfg.algo.name)
-    actor, critic = _models(tiny_model_dir, 0)
+    actor, critic = _models(tiny_model_dir, lora)
     batch = _batch(actor)
     one = Learner(actor, critic, algo, cfg.algo, cfg.critic, cfg.train)
     one.step(batch)
@@ -346,7 +350,8 @@ def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_model_dir, tmp_path):
     expected_metrics = one.step(batch)
     expected = full_state(one)
 
-    driver = start_trainer_ranks(2, rank_learner, (cfg, str(ckpt / "actor"), str(ckpt)), timeout_s=TIMEOUT_S)
+    model_path = adapter_base(ckpt / "actor") or str(ckpt / "actor")  # as sao/runtime/context.py resumes
+    driver = start_trainer_ranks(2, rank_learner, (cfg, model_path, str(ckpt)), timeout_s=TIMEOUT_S)
     try:
         driver.load_state_dict(torch.load(tmp_path / "trainer_state.pt"))
         metrics = driver.step(batch)
@@ -354,7 +359,7 @@ def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_model_dir, tmp_path):
     finally:
         driver.close()
     assert not _same_metrics(expected_metrics, metrics), _same_metrics(expected_metrics, metrics)
-    two = Learner(*_models(tiny_model_dir, 0), algo, cfg.algo, cfg.critic, cfg.train)
+    two = Learner(*_models(tiny_model_dir, lora), algo, cfg.algo, cfg.critic, cfg.train)
     load_sharded(two, tmp_path / "two")
     got = full_state(two)
     assert (two.actor_version, two.critic_version, two.steps_done) == (2, 4, 2)
