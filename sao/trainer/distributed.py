@@ -6,7 +6,8 @@
               group, the rest (embeddings, tied lm_head, value head) the root group; parameters,
               gradients and AdamW states are 1/N per rank. bf16 params / fp32 reduce on GPU, fp32 on CPU.
               With `from_rank0`, ranks 1..N-1 build them on the meta device and receive their shards
-              from rank 0 one whole tensor at a time (`materialize`): only rank 0 holds a whole model
+              from rank 0 one whole tensor at a time (`send_weights`, `receive_weights`): only rank 0 holds a
+              whole model
     data      every rank receives the whole batch and keeps its rows (`shard_rows`): contiguous,
               balanced by real tokens, GRPO groups whole; uneven token counts are expected
     math      the same as one process: token-mean losses are local sums over the GLOBAL action-token
@@ -102,15 +103,24 @@ def shard_model(model: torch.nn.Module, mesh, mixed_precision: bool) -> torch.nn
     return model
 
 
-def materialize(model: torch.nn.Module, full: dict | None, device: torch.device) -> None:
-    """Give a sharded `model` rank 0's weights: rank 0 passes its whole state dict (`full`), every other
-    rank None and a model sharded on the meta device, which gets storage for its shards only, then
-    receives each whole tensor in turn (broadcast_from_rank0) and keeps its part. Buffers (e.g. rotary
-    frequencies, absent from state dicts) are small and travel whole. A collective."""
-    if full is None:
-        model.to_empty(device=device)
-    set_model_state_dict(model, full if full is not None else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def send_weights(model: torch.nn.Module) -> None:
+    """Rank 0, before sharding its whole `model`: broadcast every weight, one whole tensor at a time, to
+    the ranks in `receive_weights` (its own tensors are loaded back into themselves). A collective."""
+    set_model_state_dict(model, dict(model.state_dict()), options=FROM_RANK0)
+
+
+def receive_weights(model: torch.nn.Module, device: torch.device) -> None:
+    """Ranks 1..N-1, a `model` sharded on the meta device: storage for its shards only (`to_empty`), then
+    each whole tensor from rank 0's `send_weights` in turn, of which this rank keeps its part. A collective."""
+    model.to_empty(device=device)
+    set_model_state_dict(model, {}, options=FROM_RANK0)
+
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Every rank, after sharding: rank 0's buffers (e.g. rotary frequencies, in no state dict; small)."""
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
 
@@ -134,10 +144,13 @@ class DistributedLearner(Learner):
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
         def shard(model):
-            full = dict(model.state_dict()) if from_rank0 and self.rank == 0 else None
+            if from_rank0 and self.rank == 0:  # before sharding: fully_shard then frees the whole tensors as it goes
+                send_weights(model)
             model = shard_model(model, mesh, mixed_precision)
+            if from_rank0 and self.rank != 0:
+                receive_weights(model, device)
             if from_rank0:
-                materialize(model, full, device)
+                broadcast_buffers(model)
             return model
 
         if algo.uses_critic and critic is not None:
