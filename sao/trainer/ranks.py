@@ -85,12 +85,24 @@ class RankDriver:
             dist.broadcast_object_list([(name, args)], src=0)
             return COMMANDS[name](self.learner, *args, *rank0_only)
         except Exception as e:
-            dead = [(i + 1, p.exitcode) for i, p in enumerate(self.followers) if not p.is_alive()]
+            dead = self._dead()
             self.close(abort=True)  # the followers failed alike (the math is global) or are stuck: stop them
             if not dead and not isinstance(e, dist.DistError):
                 raise  # the learner's own error (e.g. NonFiniteError), raised on every rank
             who = ", ".join(f"trainer rank {r} exited with code {c}" for r, c in dead) or f"a collective failed: {e}"
             raise RankFailed(f"{name}: {who}") from None
+
+    def _dead(self, grace_s: float = 2.0) -> list[tuple[int, int | None]]:
+        """(rank, exit code) of the followers that exited. A killed rank's sockets close before its exit
+        can be reaped, so rank 0 may see the broken collective first: wait up to `grace_s` for a death."""
+        import time
+
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [(i + 1, p.exitcode) for i, p in enumerate(self.followers) if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
 
     def step(self, batch) -> dict[str, float]:
         return self._call("step", batch)
