@@ -94,3 +94,21 @@ def test_a_one_rank_run_resumes_on_two_ranks(tmp_path, sao_cli):
     critic_steps = {int(s["step"]) for s in state["critic_opt"]["state"].values()}
     assert actor_steps == {3} and critic_steps == {8}  # AdamW went on from the one-rank run's state, not anew
     audit_of(run)  # every issued episode trained, dropped or pending; none trained twice
+
+
+def test_a_one_rank_checkpoint_is_refused_on_ray_ranks(tmp_path):
+    """What 1 -> N does not cover yet: Ray rank actors (the optimizer states travel through the local
+    driver only). One line naming the field."""
+    from sao.config import ConfigError, load_config
+    from sao.runtime.preflight import check_ranks
+
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.pt").write_bytes(b"")
+    (tmp_path / "checkpoints" / "latest").write_text("step_000002\n")
+    cfg = load_config(None, ["trainer.ranks=2", "train.batch_size=4", "runtime.backend=ray"])
+    with pytest.raises(ConfigError, match="runtime.backend: .* was saved by one trainer rank"):
+        check_ranks(cfg, tmp_path)
+    check_ranks(load_config(None, ["trainer.ranks=2", "train.batch_size=4"]), tmp_path)  # local ranks: fine
+    (ckpt / "trainer").mkdir()
+    check_ranks(cfg, tmp_path)  # shards: fine on ray too
