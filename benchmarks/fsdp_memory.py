@@ -1,6 +1,7 @@
 """Trainer memory per rank with FSDP2: 1 rank (the one-process Learner) vs N ranks (DistributedLearner).
 
     PYTHONPATH=$PWD python benchmarks/fsdp_memory.py [--sizes 512x8,1024x8] [--ranks 1,2] [--steps 2]
+                                                     [--init full,meta]
 
 Each size is HIDDENxLAYERS of the built-in Llama architecture (head_dim 64, MLP 4x hidden, char
 tokenizer; 512x8 ~34M, 1024x8 ~134M parameters), randomly initialized from a config (no download).
@@ -11,7 +12,11 @@ Per rank (every figure is the largest over ranks):
     state_mb        parameters + gradients + AdamW states this rank holds (its shards), exact
     train_peak_mb   peak RSS while training (reset after the models are built and sharded)
     export_peak_mb  peak RSS once the weights were exported, streamed (rank 0: one 256 MiB bucket at a time)
-    init_peak_mb    peak RSS of the whole process (the models pass through host memory whole at init)
+    init_peak_mb    peak RSS of the whole process up to the models built and sharded
+    init_peak_rank0_mb / init_peak_others_mb   the same, for rank 0 and the largest of ranks 1..N-1
+    init            N > 1: `full` = every rank builds the whole models, then shards them; `meta` = ranks
+                    1..N-1 build them on the meta device and receive their shards from rank 0
+                    (DistributedLearner(from_rank0=True), as `sao train trainer.ranks=N` does)
     base_mb         RSS after imports, before any model
     step_s          mean wall time of an optimizer step after one warm-up step
     export_s_per_mb weight export from shards (bucketed full_tensor, rank 0 keeps them) per MB of weights
@@ -47,7 +52,7 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def _models(hidden: int, layers: int):
+def _models(hidden: int, layers: int, meta: bool = False):
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaConfig
 
     from sao.models.tokenizer import build_char_tokenizer
@@ -58,8 +63,9 @@ def _models(hidden: int, layers: int):
                          intermediate_size=4 * hidden, max_position_embeddings=512, tie_word_embeddings=True,
                          pad_token_id=tok.pad_token_id, num_labels=1, classifier_dropout=0.0)
     torch.manual_seed(0)
-    actor = AutoModelForCausalLM.from_config(config)
-    critic = AutoModelForTokenClassification.from_config(config)
+    with torch.device("meta" if meta else "cpu"):
+        actor = AutoModelForCausalLM.from_config(config)
+        critic = AutoModelForTokenClassification.from_config(config)
     return actor, critic
 
 
@@ -96,7 +102,8 @@ def _rank(rank: int, world: int, port: int, hidden: int, layers: int, args: dict
 
     base = _rss_mb("VmRSS")
     cfgs = (get_algorithm("sao"), AlgoConfig(), CriticConfig(warmup_steps=0), TrainConfig(lr=1e-5))
-    actor, critic = _models(hidden, layers)
+    from_rank0 = args["init"] == "meta"
+    actor, critic = _models(hidden, layers, meta=from_rank0 and rank != 0)
     batch = _batch(actor, args["batch"], args["tokens"])
     if world == 1:
         from sao.trainer.learner import Learner
@@ -106,7 +113,7 @@ def _rank(rank: int, world: int, port: int, hidden: int, layers: int, args: dict
         from sao.trainer.distributed import DistributedLearner, init_ranks
 
         init_ranks(rank, world, port, timeout_s=600)
-        learner = DistributedLearner(actor, critic, *cfgs)
+        learner = DistributedLearner(actor, critic, *cfgs, from_rank0=from_rank0)
     params = sum(p.numel() for p in actor.parameters())  # the full count, read before the models are dropped
     del actor, critic
     init_peak = _rss_mb("VmHWM")
@@ -134,16 +141,19 @@ def _rank(rank: int, world: int, port: int, hidden: int, layers: int, args: dict
     Path(f"{out}.{rank}.json").write_text(json.dumps(row))
 
 
-def measure(hidden: int, layers: int, world: int, args: dict, tmp: Path) -> dict:
+def measure(hidden: int, layers: int, world: int, init: str, args: dict, tmp: Path) -> dict:
     from sao.trainer.launch import spawn_ranks
 
-    out = tmp / f"{hidden}x{layers}_{world}"
-    spawn_ranks(_rank, world, hidden, layers, args, str(out))
+    out = tmp / f"{hidden}x{layers}_{world}_{init}"
+    spawn_ranks(_rank, world, hidden, layers, {**args, "init": init}, str(out))
     rows = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(world)]
     mb = rows[0]["export_mb"]
     return {"size": f"{hidden}x{layers}", "actor_params_m": round(rows[0]["actor_params_m"], 1), "ranks": world,
+            "init": init if world > 1 else "-",
             **{k: round(max(r[k] for r in rows), 1)
                for k in ("base_mb", "state_mb", "train_peak_mb", "init_peak_mb", "export_peak_mb")},
+            "init_peak_rank0_mb": round(rows[0]["init_peak_mb"], 1),
+            "init_peak_others_mb": round(max(r["init_peak_mb"] for r in rows[1:]), 1) if world > 1 else None,
             "step_s": round(max(r["step_s"] for r in rows), 2),
             "export_s_per_mb": round(max(r["export_s"] for r in rows) / mb, 5) if mb else None}
 
@@ -157,6 +167,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--init", default="full,meta", help="N > 1: how ranks get the models (see above)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads shared by the ranks")
     a = ap.parse_args()
     # glibc keeps freed heap blocks (and raises its mmap threshold after each large free), so RSS would
@@ -169,8 +180,9 @@ def main() -> None:
         for size in a.sizes.split(","):
             hidden, layers = map(int, size.split("x"))
             for world in map(int, a.ranks.split(",")):
-                rows.append(measure(hidden, layers, world, args, Path(tmp)))
-                print(rows[-1], flush=True)
+                for init in a.init.split(",") if world > 1 else ["full"]:
+                    rows.append(measure(hidden, layers, world, init, args, Path(tmp)))
+                    print(rows[-1], flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
     meta = {"args": args, "malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"], "torch": torch.__version__}
     RESULTS.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")

@@ -312,3 +312,62 @@ def test_rank_zero_drives_followers_and_names_a_dead_one(tiny_model_dir, tmp_pat
     finally:
         driver.close(abort=True)
     assert not any(p.is_alive() for p in driver.followers)
+
+
+def _config(**overrides):
+    from sao.config import load_config
+
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def _optimizer_steps(state: dict) -> list[float]:
+    return [float(s["step"]) for opt in ("actor_opt", "critic_opt") for s in state[opt]["state"].values()]
+
+
+@pytest.mark.slow  # ~30 s each here: two spawned ranks, one DCP round trip
+@pytest.mark.parametrize("lora", [0, 4])
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_model_dir, tmp_path, lora):
+    """1 -> 2: a one-process run's checkpoint (HF folders + `Learner.state_dict()`, as sao/runtime writes
+    it) loads into two FSDP2 ranks built the way `sao train --resume trainer.ranks=2` builds them; one
+    more step there equals the one-process run's second step (weights, both AdamW states, counters);
+    with LoRA actor and critic too (adapter folders on the base model, adapter-only AdamW states)."""
+    from sao.models.lora import adapter_base
+    from sao.models.tokenizer import load_tokenizer
+    from sao.runtime.context import rank_learner
+    from sao.trainer.ranks import start_trainer_ranks
+    from sao.trainer.sharded_checkpoint import full_state, load_sharded
+
+    # critic.warmup_steps=0: the first step moves both AdamW states
+    cfg = _config(**{"critic.warmup_steps": 0, "train.lr": 1e-3, "model.lora.r": lora, "critic.lora.r": lora})
+    algo = get_algorithm(cfg.algo.name)
+    actor, critic = _models(tiny_model_dir, lora)
+    batch = _batch(actor)
+    one = Learner(actor, critic, algo, cfg.algo, cfg.critic, cfg.train)
+    one.step(batch)
+    ckpt = tmp_path / "step_000001"
+    one.save_pretrained(ckpt, load_tokenizer(tiny_model_dir))
+    torch.save(one.state_dict(), tmp_path / "trainer_state.pt")
+    expected_metrics = one.step(batch)
+    expected = full_state(one)
+
+    model_path = adapter_base(ckpt / "actor") or str(ckpt / "actor")  # as sao/runtime/context.py resumes
+    driver = start_trainer_ranks(2, rank_learner, (cfg, model_path, str(ckpt)), timeout_s=TIMEOUT_S)
+    try:
+        driver.load_state_dict(torch.load(tmp_path / "trainer_state.pt"))
+        metrics = driver.step(batch)
+        driver.save(tmp_path / "two")
+    finally:
+        driver.close()
+    assert not _same_metrics(expected_metrics, metrics), _same_metrics(expected_metrics, metrics)
+    two = Learner(*_models(tiny_model_dir, lora), algo, cfg.algo, cfg.critic, cfg.train)
+    load_sharded(two, tmp_path / "two")
+    got = full_state(two)
+    assert (two.actor_version, two.critic_version, two.steps_done) == (2, 4, 2)
+    assert _optimizer_steps(got) == _optimizer_steps(expected) and set(_optimizer_steps(got)) == {2.0, 4.0}
+    for part in ("actor", "critic"):
+        assert _max_diff(list(expected[part].values()), list(got[part].values())) < 1e-5, part
+    for opt in ("actor_opt", "critic_opt"):
+        for key in ("exp_avg", "exp_avg_sq"):
+            xs = [s[key] for s in expected[opt]["state"].values()]
+            ys = [s[key] for s in got[opt]["state"].values()]
+            assert _max_diff(xs, ys) < 1e-5, (opt, key)

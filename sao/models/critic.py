@@ -14,11 +14,15 @@ import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 
-def build_critic(actor_path: str | Path, dtype: torch.dtype = torch.float32):
-    """Critic initialized from the actor checkpoint; value head zeroed so V starts at 0."""
+def build_critic(actor_path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False):
+    """Critic initialized from the actor checkpoint; value head zeroed so V starts at 0. `meta`: the same
+    model on the meta device, no weight read (a trainer rank that receives them, docs/architecture.md §8)."""
     config = AutoConfig.from_pretrained(str(actor_path))
     config.num_labels = 1
     config.classifier_dropout = 0.0
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForTokenClassification.from_config(config, dtype=dtype)
     critic = AutoModelForTokenClassification.from_pretrained(str(actor_path), config=config, dtype=dtype)
     with torch.no_grad():
         critic.score.weight.zero_()
@@ -27,12 +31,15 @@ def build_critic(actor_path: str | Path, dtype: torch.dtype = torch.float32):
     return critic
 
 
-def load_critic(path: str | Path, dtype: torch.dtype = torch.float32):
+def load_critic(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False):
     """A saved critic, or any causal LM folder (e.g. a smaller model with the actor's tokenizer) given a
     zero value head by build_critic."""
     config = AutoConfig.from_pretrained(str(path))
     if not any(a.endswith("ForTokenClassification") for a in (config.architectures or [])):
-        return build_critic(path, dtype)
+        return build_critic(path, dtype, meta)
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForTokenClassification.from_config(config, dtype=dtype)
     return AutoModelForTokenClassification.from_pretrained(str(path), dtype=dtype)
 
 

@@ -54,17 +54,21 @@ def with_lora(model: torch.nn.Module, settings: LoraSettings, value_head: bool =
 def resume_lora(base: torch.nn.Module, adapter_dir: str | Path) -> torch.nn.Module:
     """A checkpoint's adapter (and saved value head) on its base model, trainable again: the same
     modules in the same order as `with_lora` built them, so the optimizer state saved with it applies."""
+    import warnings
+
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
+    with warnings.catch_warnings():  # a base on the meta device (a trainer rank that receives weights) gets none
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
+        return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
 
 
-def load_lora_critic(adapter_dir: str | Path, device=None) -> torch.nn.Module:
+def load_lora_critic(adapter_dir: str | Path, device=None, meta: bool = False) -> torch.nn.Module:
     """A LoRA critic saved by a run or by `sao pretrain-critic`: its base (given a value head), then the
-    adapters and the trained value head on top, trainable."""
+    adapters and the trained value head on top, trainable. `meta`: its structure only, on the meta device."""
     from sao.models.critic import load_critic
 
-    base = load_critic(adapter_base(adapter_dir))
+    base = load_critic(adapter_base(adapter_dir), meta=meta)
     return resume_lora(base.to(device) if device is not None else base, adapter_dir)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from sao.models.tokenizer import build_char_tokenizer
 
@@ -51,10 +51,16 @@ def build_tiny_model(
     return out_dir
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """A causal LM from an HF folder; a LoRA adapter folder (sao/models/lora.py) loads onto its base, merged."""
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False):
+    """A causal LM from an HF folder; a LoRA adapter folder (sao/models/lora.py) loads onto its base, merged.
+    `meta`: the same model on the meta device, no weight read (a trainer rank that receives them, §8)."""
     from sao.models.lora import adapter_base, load_adapter_merged
 
     if adapter_base(path) is not None:
+        if meta:
+            return load_model(adapter_base(path), dtype, meta)
         return load_adapter_merged(path, lambda base: load_model(base, dtype))
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=dtype)
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)

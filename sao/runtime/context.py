@@ -161,8 +161,8 @@ def build(cfg: Config, environment, progress: RunProgress, resume: Path | None =
 def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None):
     """The trainer behind the seam (sao/trainer/protocol.py): a one-process Learner, or at trainer.ranks=N
     a driver of N FSDP2 ranks (this process is rank 0, sao/trainer/ranks.py; with runtime.backend=ray
-    every rank is a Ray actor, sao/trainer/ray_ranks.py). A checkpoint written at any
-    number of ranks (DCP shards in trainer/) loads into any number of ranks."""
+    every rank is a Ray actor, sao/trainer/ray_ranks.py). A checkpoint written at any number of ranks (DCP
+    shards in trainer/, or a one-rank run's HF folders and plain optimizer states) loads into any number of ranks."""
     sharded = ckpt is not None and (ckpt / "trainer").is_dir()
     if cfg.trainer.ranks > 1:
         args = (cfg, str(model_path), str(ckpt) if ckpt is not None else None)
@@ -186,26 +186,34 @@ def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None):
 
 
 def rank_learner(cfg: Config, model_path: str, ckpt: str | None):
-    """One rank's DistributedLearner (every rank runs this; module-level: it travels to spawned ranks)."""
+    """One rank's DistributedLearner (every rank runs this; module-level: it travels to spawned ranks).
+    Rank 0 reads the weights; ranks 1..N-1 build the models on the meta device and receive their
+    shards from it, so no rank but rank 0 ever holds a whole model."""
+    import torch.distributed as dist
+
     from sao.runtime.worker_host import quiet_transformers
     from sao.trainer.distributed import DistributedLearner
     from sao.trainer.sharded_checkpoint import load_sharded
 
     quiet_transformers()  # a spawned rank starts with transformers' defaults
     ckpt = Path(ckpt) if ckpt is not None else None
-    actor, critic = build_models(cfg, Path(model_path), ckpt)
-    learner = DistributedLearner(actor, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train)
-    if ckpt is not None:
-        load_sharded(learner, ckpt / "trainer")  # preflight refused a checkpoint without shards
+    actor, critic = build_models(cfg, Path(model_path), ckpt, meta=dist.get_rank() != 0)
+    learner = DistributedLearner(actor, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train,
+                                 from_rank0=True)
+    if ckpt is not None and (ckpt / "trainer").is_dir():
+        load_sharded(learner, ckpt / "trainer")
+    # else a one-rank checkpoint: weights from its HF folders (build_models); its optimizer states and
+    # counters follow from rank 0 when the context loads trainer_state.pt (RankDriver.load_state_dict)
     return learner
 
 
-def build_models(cfg: Config, model_path: Path, ckpt: Path | None):
+def build_models(cfg: Config, model_path: Path, ckpt: Path | None, meta: bool = False):
     """Actor (LoRA when model.lora.r > 0) and, for critic algorithms, the critic (critic.path, a
-    checkpoint's, or one built from the policy), on trainer.device; weights from `ckpt` when resuming."""
+    checkpoint's, or one built from the policy), on trainer.device; weights from `ckpt` when resuming.
+    `meta`: the same models on the meta device, no weight read (a trainer rank that receives them)."""
     algo = get_algorithm(cfg.algo.name)
-    device = resolve_device(cfg.trainer.device)
-    actor = load_model(model_path).to(device)
+    device = torch.device("meta") if meta else resolve_device(cfg.trainer.device)
+    actor = load_model(model_path, meta=meta).to(device)
     if ckpt is not None and adapter_base(ckpt / "actor"):
         actor = resume_lora(actor, ckpt / "actor")
     else:
@@ -214,8 +222,8 @@ def build_models(cfg: Config, model_path: Path, ckpt: Path | None):
     if algo.uses_critic:
         critic_path = ckpt / "critic" if ckpt is not None and (ckpt / "critic").is_dir() else cfg.critic.path
         if critic_path and adapter_base(critic_path):  # a LoRA critic's adapter (a checkpoint, or pretrained)
-            critic = load_lora_critic(critic_path, device)
+            critic = load_lora_critic(critic_path, device, meta=meta)
         else:
-            critic = load_critic(critic_path) if critic_path else build_critic(model_path)
+            critic = load_critic(critic_path, meta=meta) if critic_path else build_critic(model_path, meta=meta)
             critic = with_lora(critic.to(device), cfg.critic.lora, value_head=True)
     return actor, critic

@@ -45,9 +45,10 @@ def check_runtime(cfg: Config) -> None:
             raise ConfigError("runtime.backend=ray: the ray package is not installed (pip install 'sao[ray]')")
 
 
-def check_ranks(cfg: Config, resume: Path | None) -> None:
-    """trainer.ranks > 1: every rank needs rows of each batch (whole groups for group algorithms), and a
-    resumed checkpoint must hold DCP shards (one saved by a single rank holds plain optimizer states)."""
+def check_ranks(cfg: Config, resume: Path | None = None) -> None:
+    """trainer.ranks > 1: every rank needs rows of each batch (whole groups for group algorithms). A checkpoint
+    of any rank count resumes at any other (sao/trainer/sharded_checkpoint.py), but a one-rank checkpoint's
+    optimizer states reach rank 0 only through the local rank driver (sao/trainer/ranks.py), not Ray's."""
     n = cfg.trainer.ranks
     if n == 1:
         return
@@ -57,13 +58,13 @@ def check_ranks(cfg: Config, resume: Path | None) -> None:
         what = "groups" if algo.grouped else "trajectories"
         raise ConfigError(f"trainer.ranks: {n} ranks need at least {n} {what} per batch; train.batch_size="
                           f"{cfg.train.batch_size} holds {units}")
-    if resume is not None:
+    if resume is not None and cfg.runtime.backend == "ray":
         from sao.runtime.checkpoint import latest
 
         ckpt = latest(Path(resume))
         if ckpt is not None and not (ckpt / "trainer").is_dir():
-            raise ConfigError(f"trainer.ranks: {ckpt} was saved by one trainer rank; resume it with "
-                              f"trainer.ranks=1 (resuming it sharded is not supported yet)")
+            raise ConfigError(f"runtime.backend: {ckpt} was saved by one trainer rank; resume it on {n} ranks "
+                              "with runtime.backend=local (or at trainer.ranks=1 on ray)")
 
 
 def check_algorithm(cfg: Config) -> None:

@@ -4,7 +4,10 @@
               collective timeout (`init_ranks`)
     models    actor and critic each wrapped with `fully_shard` (FSDP2): every decoder layer is a shard
               group, the rest (embeddings, tied lm_head, value head) the root group; parameters,
-              gradients and AdamW states are 1/N per rank. bf16 params / fp32 reduce on GPU, fp32 on CPU
+              gradients and AdamW states are 1/N per rank. bf16 params / fp32 reduce on GPU, fp32 on CPU.
+              With `from_rank0`, ranks 1..N-1 build them on the meta device and receive their shards
+              from rank 0 one whole tensor at a time (`send_weights`, `receive_weights`): only rank 0 holds a
+              whole model
     data      every rank receives the whole batch and keeps its rows (`shard_rows`): contiguous,
               balanced by real tokens, GRPO groups whole; uneven token counts are expected
     math      the same as one process: token-mean losses are local sums over the GLOBAL action-token
@@ -29,6 +32,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -99,14 +103,37 @@ def shard_model(model: torch.nn.Module, mesh, mixed_precision: bool) -> torch.nn
     return model
 
 
+FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def send_weights(model: torch.nn.Module) -> None:
+    """Rank 0, before sharding its whole `model`: broadcast every weight, one whole tensor at a time, to
+    the ranks in `receive_weights` (its own tensors are loaded back into themselves). A collective."""
+    set_model_state_dict(model, dict(model.state_dict()), options=FROM_RANK0)
+
+
+def receive_weights(model: torch.nn.Module, device: torch.device) -> None:
+    """Ranks 1..N-1, a `model` sharded on the meta device: storage for its shards only (`to_empty`), then
+    each whole tensor from rank 0's `send_weights` in turn, of which this rank keeps its part. A collective."""
+    model.to_empty(device=device)
+    set_model_state_dict(model, {}, options=FROM_RANK0)
+
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Every rank, after sharding: rank 0's buffers (e.g. rotary frequencies, in no state dict; small)."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
 class DistributedLearner(Learner):
     """`Learner` on this rank's rows of each batch, with FSDP2-sharded actor and critic.
 
-    Every rank constructs it with the same (full) models and calls `step` with the same full batch;
+    Every rank constructs it with the same (full) models, or with `from_rank0` rank 0 with full models and
+    the others with the same models on the meta device; every rank calls `step` with the same full batch;
     metrics are global and the same on every rank."""
 
     def __init__(self, actor, critic, algo: Algorithm, algo_cfg: AlgoConfig, critic_cfg: CriticConfig,
-                 train_cfg: TrainConfig, mixed_precision: bool | None = None):
+                 train_cfg: TrainConfig, mixed_precision: bool | None = None, from_rank0: bool = False):
         # our models' outputs are never modified in place (sao/models/critic.py returns a view): FSDP2's
         # warning about that would print on every rank at every pass
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -114,14 +141,26 @@ class DistributedLearner(Learner):
         cuda = dist.get_backend() == "nccl"
         mixed_precision = cuda if mixed_precision is None else mixed_precision
         mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+        def shard(model):
+            if from_rank0 and self.rank == 0:  # before sharding: fully_shard then frees the whole tensors as it goes
+                send_weights(model)
+            model = shard_model(model, mesh, mixed_precision)
+            if from_rank0 and self.rank != 0:
+                receive_weights(model, device)
+            if from_rank0:
+                broadcast_buffers(model)
+            return model
+
         if algo.uses_critic and critic is not None:
             # frozen before sharding, so FSDP sees which parameters train (Learner freezes the same ones again)
             freeze = critic_cfg.freeze_attention if algo.freeze_attention is None else algo.freeze_attention
             if freeze:
                 freeze_parameters(critic, critic_cfg.freeze_pattern)
-            critic = shard_model(critic, mesh, mixed_precision)
+            critic = shard(critic)
         # FSDP casts to bf16 itself: the base learner's autocast stays off (dtype float32)
-        super().__init__(shard_model(actor, mesh, mixed_precision), critic, algo, algo_cfg, critic_cfg, train_cfg)
+        super().__init__(shard(actor), critic, algo, algo_cfg, critic_cfg, train_cfg)
         self.reduce = DistReducer()
         self._rows: list[int] = []
         self._global_size = 0

@@ -2,7 +2,7 @@
 
     start_trainer_ranks(world, build, args)   this process becomes rank 0; ranks 1..N-1 are spawned
                                               children; every rank builds its learner with build(*args)
-    RankDriver.step / export_weights / save / load
+    RankDriver.step / export_weights / save / load / load_state_dict
                                               broadcast the command (and the batch) to the followers,
                                               then run it here: every rank runs the same collectives
     follow(learner)                           a follower's loop: receive a command, run it, until close
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from sao.trainer.launch import RankFailed, free_port
-from sao.trainer.sharded_checkpoint import load_sharded, save_sharded
+from sao.trainer.sharded_checkpoint import load_one_process, load_sharded, save_sharded
 
 COMMANDS: dict[str, Callable] = {
     "step": lambda learner, batch: learner.step(batch),
@@ -26,6 +26,7 @@ COMMANDS: dict[str, Callable] = {
     "logprobs": lambda learner, batch: learner.logprobs(batch),
     "save": save_sharded,
     "load": load_sharded,
+    "load_one_process": load_one_process,  # rank 0 adds the state; the followers receive it tensor by tensor
 }
 
 
@@ -78,17 +79,30 @@ class RankDriver:
     def version(self) -> int:
         return self.learner.actor_version
 
-    def _call(self, name: str, *args):
+    def _call(self, name: str, *args, rank0_only: tuple = ()):
+        """Run command `name` on every rank; `rank0_only` arguments are not sent (the command shares them)."""
         try:
             dist.broadcast_object_list([(name, args)], src=0)
-            return COMMANDS[name](self.learner, *args)
+            return COMMANDS[name](self.learner, *args, *rank0_only)
         except Exception as e:
-            dead = [(i + 1, p.exitcode) for i, p in enumerate(self.followers) if not p.is_alive()]
+            dead = self._dead()
             self.close(abort=True)  # the followers failed alike (the math is global) or are stuck: stop them
             if not dead and not isinstance(e, dist.DistError):
                 raise  # the learner's own error (e.g. NonFiniteError), raised on every rank
             who = ", ".join(f"trainer rank {r} exited with code {c}" for r, c in dead) or f"a collective failed: {e}"
             raise RankFailed(f"{name}: {who}") from None
+
+    def _dead(self, grace_s: float = 2.0) -> list[tuple[int, int | None]]:
+        """(rank, exit code) of the followers that exited. A killed rank's sockets close before its exit
+        can be reaped, so rank 0 may see the broken collective first: wait up to `grace_s` for a death."""
+        import time
+
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [(i + 1, p.exitcode) for i, p in enumerate(self.followers) if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
 
     def step(self, batch) -> dict[str, float]:
         return self._call("step", batch)
@@ -103,7 +117,11 @@ class RankDriver:
         return {"sharded": "trainer", "ranks": len(self.followers) + 1}
 
     def load_state_dict(self, state: dict) -> None:
-        """Nothing here: every rank loaded its shards when it was built (sao/runtime/context.py)."""
+        """A sharded checkpoint: nothing here, every rank loaded its shards when it was built
+        (sao/runtime/context.py). A one-rank run's `Learner.state_dict()`: optimizer states and counters
+        from this rank to all (1 -> N; the weights came from the checkpoint's HF folders)."""
+        if "sharded" not in state:
+            self._call("load_one_process", rank0_only=(state,))
 
     def save_pretrained(self, folder, tokenizer, merged: bool = False) -> None:
         from pathlib import Path

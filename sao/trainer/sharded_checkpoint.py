@@ -6,6 +6,11 @@
                                  (a crash leaves the previous checkpoint whole)
     load_sharded(learner, dir)   reads them back into a learner of any rank count (1 -> 2, 2 -> 1):
                                  DCP reshards by fully qualified names, which FSDP2 leaves unchanged
+    load_one_process(learner, state)
+                                 a one-rank run's checkpoint (`Learner.state_dict()`: plain AdamW states
+                                 keyed by position, no shards) into N ranks (1 -> N): only rank 0 holds the
+                                 file's state; it broadcasts the counters, then each AdamW tensor in turn,
+                                 of which every rank keeps its shard. The weights come from the HF folders
 
 Works for the one-process `Learner` (no process group) and the `DistributedLearner` alike. `full_state`
 gathers whole tensors on rank 0 (e.g. for a plain HF export at the end of a run, or a test).
@@ -26,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.utils._pytree import tree_map_only
@@ -120,3 +126,34 @@ def full_state(learner) -> dict:
     for name, (model, opt) in _pairs(learner).items():
         state[name], state[f"{name}_opt"] = get_state_dict(model, opt, options=options)
     return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
+
+
+def by_name(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> dict:
+    """A plain `opt.state_dict()` of a one-process model (parameters numbered in the optimizer's order)
+    keyed instead by the names `get_optimizer_state_dict` uses: `model`'s parameter names (first name of
+    a tied weight), which FSDP2 leaves unchanged, so a one-process state fits a sharded optimizer."""
+    names = {p: n for n, p in model.named_parameters()}
+    order = [names[p] for g in opt.param_groups for p in g["params"]]
+    if len(order) != sum(len(g["params"]) for g in state["param_groups"]):
+        raise ValueError(f"the checkpoint's optimizer has {sum(len(g['params']) for g in state['param_groups'])} "
+                         f"trained parameters, this model {len(order)}")
+    return {"state": {order[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def load_one_process(learner, state: dict | None = None) -> None:
+    """Restore a one-process `Learner.state_dict()` into a `DistributedLearner` (1 -> N resume); a
+    collective. Rank 0 passes the state (read from trainer_state.pt), every other rank None: nothing
+    but rank 0 reads the file, and no rank holds more than one whole tensor beyond its shards."""
+    box = [None if state is None else {k: v for k, v in state.items() if not k.endswith("_opt")}]
+    dist.broadcast_object_list(box, src=0)  # the counters: a few numbers
+    small = box[0]
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    for name, (model, opt) in _pairs(learner).items():
+        full = by_name(model, opt, state[f"{name}_opt"]) if state is not None else {}
+        set_optimizer_state_dict(model, opt, full, options=options)
+    learner.actor_version, learner.critic_version = small["actor_version"], small["critic_version"]
+    learner.steps_done = small["steps_done"]
+    learner.load_guard_state(small.get("guard", {}))
+    if learner.running_mean is not None and small.get("running_mean"):
+        learner.running_mean.load_state_dict(small["running_mean"])
