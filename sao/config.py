@@ -61,6 +61,9 @@ class SFTConfig(Section):
     batch_size: int = Field(64, ge=1, description="episodes per SFT step")
     lr: float = Field(5e-3, gt=0, description="SFT peak learning rate (cosine decay, short warm-up)")
     seed: int = Field(0, description="seed of the demonstrations and of the model's initialization")
+    pack: bool = Field(True, description=(
+        "pack each step's examples into rows (several per row, attention kept within each): cost follows real "
+        "tokens; false = one right-padded batch (same loss, slower)"))
 
 
 class EnvConfig(Section):

@@ -134,7 +134,7 @@ def _build(cfg: Config, tmp: Path, on_step) -> None:
         return demo_example(codec, environment.demo(next(tasks), rng))
 
     losses = sft_train(model, sample, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr,
-                       codec.tokenizer.pad_token_id, cfg.sft.seed, on_step)
+                       codec.tokenizer.pad_token_id, cfg.sft.seed, on_step, cfg.sft.pack)
     try:
         model.save_pretrained(tmp)
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
