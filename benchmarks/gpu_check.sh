@@ -5,6 +5,9 @@
 # (e.g. train.steps=100). Nothing else in the project needs a GPU; the torch engine is used (the
 # vLLM server on a GPU machine: add engine.name=vllm engine.python=... engine.weight_transport=ipc).
 #
+# Then, with two or more GPUs, the trainer on 2 FSDP2 ranks over NCCL (bf16 params, fp32 reduce:
+# sao/trainer/distributed.py) for 5 steps; with one GPU that part is skipped (NCCL needs a GPU per rank).
+#
 #   bash benchmarks/gpu_check.sh [key=value ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,3 +38,12 @@ print(f"generation: {gen[-1] if gen else float('nan'):.0f} tokens/s (rollout eng
 print(f"training:   {train_tok / max(train_s, 1e-9):.0f} tokens/s ({len(steps)} optimizer steps)")
 print(f"held-out accuracy: {acc[0] if acc else float('nan'):.3f} -> {acc[-1] if acc else float('nan'):.3f}")
 PYEOF
+
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [ "$NGPU" -ge 2 ]; then
+  "$PY" -m sao.cli train trainer.ranks=2 trainer.device=cuda engine.device=cuda engine.dtype=bfloat16 \
+    runtime.parity_tol=0.1 train.steps=5 output.root="$ROOT" output.name="$NAME-ranks2" output.progress=false "$@"
+  echo "trainer.ranks=2 on CUDA: ok ($ROOT/$NAME-ranks2)"
+else
+  echo "trainer.ranks=2 on CUDA: skipped ($NGPU GPU; FSDP2 over NCCL needs one GPU per rank)"
+fi
