@@ -55,27 +55,27 @@ SAO_ARMS = {
 
 # ---------------------------------------------------------------- memory of a process tree
 
-def _smaps_kb(pid: int) -> tuple[int, int]:
-    """(Rss, Pss) of one process in kB from /proc/PID/smaps_rollup; (0, 0) once it is gone."""
-    rss = pss = 0
+def _smaps_kb(pid: int) -> tuple[int, int, int]:
+    """(Rss, Pss, Private) of one process in kB from /proc/PID/smaps_rollup; zeros once it is gone."""
+    kb = {"Rss": 0, "Pss": 0, "Private_Clean": 0, "Private_Dirty": 0}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Rss:"):
-                    rss = int(line.split()[1])
-                elif line.startswith("Pss:"):
-                    pss = int(line.split()[1])
+                key = line.split(":")[0]
+                if key in kb:
+                    kb[key] = int(line.split()[1])
     except OSError:
         pass
-    return rss, pss
+    return kb["Rss"], kb["Pss"], kb["Private_Clean"] + kb["Private_Dirty"]
 
 
 class TreeMemory:
-    """Samples RSS and PSS summed over a process and all its descendants; keeps the peaks."""
+    """Samples RSS, PSS and private memory (USS) summed over a process and all its descendants; keeps
+    the peaks. USS sums are a lower bound of what the tree holds, RSS sums an upper bound."""
 
     def __init__(self, pid: int, every_s: float = 0.2) -> None:
         self.pid, self.every_s = pid, every_s
-        self.peak_rss_kb = self.peak_pss_kb = 0
+        self.peak_rss_kb = self.peak_pss_kb = self.peak_uss_kb = 0
         self.at_peak: list[dict] = []  # per process at the RSS peak
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -99,14 +99,16 @@ class TreeMemory:
                 return
             rows = []
             for p in procs:
-                rss, pss = _smaps_kb(p.pid)
+                rss, pss, uss = _smaps_kb(p.pid)
                 try:
                     name = " ".join(p.cmdline()[:4])[-80:]
                 except psutil.Error:
                     name = "?"
-                rows.append({"pid": p.pid, "cmd": name, "rss_mb": rss / 1024, "pss_mb": pss / 1024})
+                rows.append({"pid": p.pid, "cmd": name, "rss_mb": rss / 1024, "pss_mb": pss / 1024,
+                             "uss_mb": uss / 1024})
             rss_kb = sum(r["rss_mb"] for r in rows) * 1024
             self.peak_pss_kb = max(self.peak_pss_kb, int(sum(r["pss_mb"] for r in rows) * 1024))
+            self.peak_uss_kb = max(self.peak_uss_kb, int(sum(r["uss_mb"] for r in rows) * 1024))
             if rss_kb > self.peak_rss_kb:
                 self.peak_rss_kb, self.at_peak = int(rss_kb), rows
             self._stop.wait(self.every_s)
@@ -201,6 +203,7 @@ def run_arm(arm: str, seed: int, steps: int, model: Path, runs_root: Path, trl_p
     return {"arm": arm, "seed": seed, "cmd": cmd, "run_dir": str(run_dir), "process_wall_s": time.perf_counter() - t0,
             "loadavg_1_5_15_at_end": os.getloadavg(),
             "peak_tree_rss_mb": mem.peak_rss_kb / 1024, "peak_tree_pss_mb": mem.peak_pss_kb / 1024,
+            "peak_tree_uss_mb": mem.peak_uss_kb / 1024,
             "processes_at_rss_peak": mem.at_peak, "curve": curve}
 
 
@@ -237,7 +240,8 @@ def summarize(runs: list[dict], arms: list[str]) -> dict:
         rs = [r for r in runs if r["arm"] == arm]
         med = {k: statistics.median(r["figures"][k] for r in rs)
                for k in ("steps_wall_s", "s_per_step", "completions_per_s", "final_trailing_reward")}
-        med.update({k: statistics.median(r[k] for r in rs) for k in ("peak_tree_rss_mb", "peak_tree_pss_mb")})
+        med.update({k: statistics.median(r[k] for r in rs)
+                    for k in ("peak_tree_rss_mb", "peak_tree_pss_mb", "peak_tree_uss_mb")})
         for thr in THRESHOLDS:
             hits = [r["figures"][f"reach_{thr}"] for r in rs]
             med[f"reach_{thr}"] = {"seeds_reached": sum(h is not None for h in hits), "of": len(hits),
@@ -259,7 +263,8 @@ def summarize(runs: list[dict], arms: list[str]) -> dict:
                 "steps_wall": statistics.median(x["figures"]["steps_wall_s"] / y["figures"]["steps_wall_s"]
                                                 for x, y in pairs),
                 "peak_rss": statistics.median(x["peak_tree_rss_mb"] / y["peak_tree_rss_mb"] for x, y in pairs),
-                "peak_pss": statistics.median(x["peak_tree_pss_mb"] / y["peak_tree_pss_mb"] for x, y in pairs)}
+                "peak_pss": statistics.median(x["peak_tree_pss_mb"] / y["peak_tree_pss_mb"] for x, y in pairs),
+                "peak_uss": statistics.median(x["peak_tree_uss_mb"] / y["peak_tree_uss_mb"] for x, y in pairs)}
     return out
 
 
@@ -290,12 +295,13 @@ def plot(runs: list[dict], arms: list[str], path: Path) -> None:
 
 
 def print_table(summary: dict) -> None:
-    cols = ["steps wall s", "s/step", "compl/s", "final R", "RSS MB", "PSS MB", *(f"reach {t}" for t in THRESHOLDS)]
+    cols = ["steps wall s", "s/step", "compl/s", "final R", "RSS MB", "PSS MB", "USS MB",
+            *(f"reach {t}" for t in THRESHOLDS)]
     print(f"{'arm':<12}" + "".join(f"{c:>14}" for c in cols))
     for arm, m in summary.items():
         reach = [f"{m[f'reach_{t}']['seeds_reached']}/{m[f'reach_{t}']['of']}" for t in THRESHOLDS]
         vals = [m["steps_wall_s"], m["s_per_step"], m["completions_per_s"], m["final_trailing_reward"],
-                m["peak_tree_rss_mb"], m["peak_tree_pss_mb"]]
+                m["peak_tree_rss_mb"], m["peak_tree_pss_mb"], m["peak_tree_uss_mb"]]
         print(f"{arm:<12}" + "".join(f"{v:>14.3f}" for v in vals) + "".join(f"{x:>14}" for x in reach))
 
 
@@ -339,8 +345,8 @@ def main() -> None:
             run = run_arm(arm, seed, ns.steps, model, runs_root, trl_python)
             run["figures"] = figures(run)
             runs.append(run)
-            print(json.dumps({k: run[k] for k in ("arm", "seed", "peak_tree_rss_mb", "peak_tree_pss_mb", "figures")}),
-                  flush=True)
+            print(json.dumps({k: run[k] for k in ("arm", "seed", "peak_tree_rss_mb", "peak_tree_pss_mb",
+                                                  "peak_tree_uss_mb", "figures")}), flush=True)
             done = [a for a in ns.arms if any(r["arm"] == a for r in runs)]
             write(out, ns, model, runs, done)  # after every run: a cut-short benchmark keeps what it measured
     summary = write(out, ns, model, runs, ns.arms)

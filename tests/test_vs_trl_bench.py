@@ -77,4 +77,4 @@ def test_quick_run_of_the_sao_arms_writes_every_figure(tmp_path):
             r["figures"])
     # the async tree has the trainer, the fork server and a rollout worker; sync is one process
     assert len(res["runs"][1]["processes_at_rss_peak"]) >= 3 and len(res["runs"][0]["processes_at_rss_peak"]) == 1
-    assert set(res["summary"]["sao_async"]["over_sync"]) == {"steps_wall", "peak_rss", "peak_pss"}
+    assert set(res["summary"]["sao_async"]["over_sync"]) == {"steps_wall", "peak_rss", "peak_pss", "peak_uss"}
