@@ -240,7 +240,7 @@ def summarize(runs: list[dict], arms: list[str]) -> dict:
         rs = [r for r in runs if r["arm"] == arm]
         med = {k: statistics.median(r["figures"][k] for r in rs)
                for k in ("steps_wall_s", "s_per_step", "completions_per_s", "final_trailing_reward")}
-        med.update({k: statistics.median(r[k] for r in rs)
+        med.update({k: statistics.median(r.get(k, float("nan")) for r in rs)  # USS: not in runs before 2026-12-02
                     for k in ("peak_tree_rss_mb", "peak_tree_pss_mb", "peak_tree_uss_mb")})
         for thr in THRESHOLDS:
             hits = [r["figures"][f"reach_{thr}"] for r in rs]
@@ -264,7 +264,8 @@ def summarize(runs: list[dict], arms: list[str]) -> dict:
                                                 for x, y in pairs),
                 "peak_rss": statistics.median(x["peak_tree_rss_mb"] / y["peak_tree_rss_mb"] for x, y in pairs),
                 "peak_pss": statistics.median(x["peak_tree_pss_mb"] / y["peak_tree_pss_mb"] for x, y in pairs),
-                "peak_uss": statistics.median(x["peak_tree_uss_mb"] / y["peak_tree_uss_mb"] for x, y in pairs)}
+                "peak_uss": statistics.median(x.get("peak_tree_uss_mb", float("nan")) / y.get("peak_tree_uss_mb", 1)
+                                              for x, y in pairs)}
     return out
 
 
@@ -319,10 +320,14 @@ def main() -> None:
     ap.add_argument("--trl-venv", default=".venv-trl", help="the TRL venv (created when missing)")
     ap.add_argument("--load", default="shared: other jobs used the same 2 CPU cores during these runs; the arms "
                     "alternate per seed so the pairing stays fair", help="a note on machine load for the JSON")
+    ap.add_argument("--summarize", action="store_true", help=(
+        "no runs: recompute the summary, plot and table of `--out`/results.json (e.g. of a cut-short benchmark)"))
     ap.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.trl_worker:
         return trl_worker(json.loads(ns.trl_worker))
+    if ns.summarize:
+        return resummarize((ROOT / ns.out).resolve())
     ns.steps = ns.steps or (20 if ns.quick else 200)
     if ns.quick:
         ns.seeds = ns.seeds[:1]
@@ -353,6 +358,16 @@ def main() -> None:
     plot(runs, ns.arms, out / "curves.png")
     print_table(summary)
     print(f"results: {out / 'results.json'}, {out / 'curves.png'}")
+
+
+def resummarize(out: Path) -> None:
+    """Summary, plot and table again from a results.json, over the arms it has runs of."""
+    res = json.loads((out / "results.json").read_text())
+    arms = [a for a in ARMS if any(r["arm"] == a for r in res["runs"])]
+    res["summary"] = summarize(res["runs"], arms)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    plot(res["runs"], arms, out / "curves.png")
+    print_table(res["summary"])
 
 
 def write(out: Path, ns: argparse.Namespace, model: Path, runs: list[dict], arms: list[str]) -> dict:
