@@ -11,8 +11,9 @@ from __future__ import annotations
 import multiprocessing
 from multiprocessing import forkserver
 
-# what a worker imports before it can generate
-PRELOAD = ["torch", "transformers", "sao.runtime.worker_host", "sao.models.tiny", "sao.engine.torch_engine", "sao.envs"]
+# what a worker imports before it can generate; then freeze it, so workers share it (forkserver_freeze.py)
+PRELOAD = ["torch", "transformers", "sao.runtime.worker_host", "sao.models.tiny", "sao.engine.torch_engine", "sao.envs",
+           "sao.runtime.forkserver_freeze"]
 
 
 def forkserver_context():
