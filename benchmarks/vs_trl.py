@@ -264,7 +264,7 @@ def summarize(runs: list[dict], arms: list[str]) -> dict:
                                                 for x, y in pairs),
                 "peak_rss": statistics.median(x["peak_tree_rss_mb"] / y["peak_tree_rss_mb"] for x, y in pairs),
                 "peak_pss": statistics.median(x["peak_tree_pss_mb"] / y["peak_tree_pss_mb"] for x, y in pairs),
-                "peak_uss": statistics.median(x.get("peak_tree_uss_mb", float("nan")) / y.get("peak_tree_uss_mb", 1)
+                "peak_uss": statistics.median(x.get("peak_tree_uss_mb", float("nan")) / y.get("peak_tree_uss_mb", float("nan"))
                                               for x, y in pairs)}
     return out
 

@@ -228,6 +228,14 @@ class TrainerConfig(Section):
     rank_num_gpus: float = Field(0.0, ge=0, description=(
         "runtime.backend=ray: GPUs per trainer rank actor (1 on a GPU cluster: the ranks then use NCCL)"))
 
+    @model_validator(mode="after")
+    def _bundle(self) -> TrainerConfig:
+        if self.rank_num_gpus and (self.rank_num_gpus < 1 or self.rank_num_gpus % 1):
+            raise ValueError("rank_num_gpus must be 0 or a whole number of GPUs (NCCL needs a GPU per rank)")
+        if not self.rank_num_cpus and not self.rank_num_gpus:
+            raise ValueError("rank_num_cpus and rank_num_gpus are both 0: a rank actor must reserve something")
+        return self
+
 
 class EvalConfig(Section):
     every: int = Field(50, ge=0, description="evaluate every this many steps (0: only start and end)")

@@ -314,6 +314,21 @@ def test_rank_zero_drives_followers_and_names_a_dead_one(tiny_model_dir, tmp_pat
     assert not any(p.is_alive() for p in driver.followers)
 
 
+def test_a_learner_error_on_every_rank_is_raised_as_itself(tiny_model_dir):
+    """An error the learner raises on every rank alike (here a call with no batch) reaches the caller as
+    itself, not as a dead rank, and leaves no follower behind."""
+    from sao.trainer.ranks import LEARNER_ERROR, start_trainer_ranks
+
+    driver = start_trainer_ranks(2, _build, (str(tiny_model_dir), "vapo"), timeout_s=TIMEOUT_S)
+    try:
+        with pytest.raises((AttributeError, TypeError)):
+            driver.logprobs(None)
+        assert [p.exitcode for p in driver.followers] == [LEARNER_ERROR]
+    finally:
+        driver.close(abort=True)
+    assert not any(p.is_alive() for p in driver.followers)
+
+
 def _config(**overrides):
     from sao.config import load_config
 

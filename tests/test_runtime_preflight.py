@@ -12,6 +12,8 @@ import pytest
     (["runtime.rollout_workers=0"], "runtime.rollout_workers"),
     (["runtime.receive_timeout_s=0"], "runtime.receive_timeout_s"),
     (["runtime.mode=sync", "runtime.rollout_only=true"], "runtime.rollout_only measures the async rollout side"),
+    (["trainer.rank_num_cpus=0"], "trainer: rank_num_cpus and rank_num_gpus are both 0"),
+    (["trainer.rank_num_gpus=0.5"], "trainer: rank_num_gpus must be 0 or a whole number"),
 ])
 def test_refused_in_one_line_before_anything_is_written(tmp_path, sao_cli, args, words):
     proc = sao_cli("train", *args, "--quiet", cwd=tmp_path)

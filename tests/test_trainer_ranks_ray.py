@@ -72,7 +72,8 @@ def test_ray_ranks_train_checkpoint_and_resume(tmp_path, ray_address):
     assert (final / "trainer" / ".metadata").is_file() and len(list((final / "trainer").glob("*.distcp"))) == 2
     placement = _placement(final)
     assert [p["rank"] for p in placement] == [0, 1] and len({p["pid"] for p in placement}) == 2
-    assert proc.returncode == 0 and not _ray_actors("TrainerRank", os.getpid())  # gone with the run
+    _wait(lambda: not _ray_actors("TrainerRank", os.getpid()), 15, None)  # Ray removes killed actors asynchronously
+    assert not _ray_actors("TrainerRank", os.getpid())  # gone with the run
     res = _cli(["--resume", str(run), "runtime.backend=ray", f"runtime.ray_address={ray_address}", "train.steps=6"],
                tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -177,6 +178,7 @@ def test_ranks_spread_over_two_nodes(tmp_path, two_nodes):
     assert [r["step"] for r in _rows(run) if "reward/mean" in r] == [1, 2]
     placement = _placement(run / "checkpoints" / "final")
     assert sorted(names[p["node_id"]] for p in placement) == ["node_a", "node_b"]  # one rank on each node
+    _wait(lambda: not any(_alive(p["pid"]) for p in placement), 15, None)
     assert not any(_alive(p["pid"]) for p in placement)
 
 

@@ -64,7 +64,8 @@ def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) ids -> (B, T) values aligned with token positions (V(s_t) at t; 0 at t=0).
 
-    Packed rows (sao/trainer/packing.py) pass `position_ids` and no attention mask."""
+    Packed rows (sao/trainer/packing.py) pass `position_ids` and, for full-attention Llama/Qwen models,
+    the batch's 4-D block-causal mask built once (`attention_mask`), else no mask."""
     head = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=False).logits[..., 0].float()  # (B, T)
     return torch.nn.functional.pad(head[:, :-1], (1, 0))

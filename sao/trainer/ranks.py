@@ -54,12 +54,20 @@ def _never_outlive_rank0() -> None:
         pass
 
 
+LEARNER_ERROR = 3  # a follower's exit code when its learner raised (rank 0 raised the same and reports it)
+
+
 def _follower(rank: int, world: int, port: int, timeout_s: float, build: Callable, args: tuple) -> None:
+    import os
+
     from sao.trainer.distributed import init_ranks
 
     _never_outlive_rank0()
     init_ranks(rank, world, port, timeout_s)
-    follow(build(*args))
+    try:
+        follow(build(*args))
+    except Exception:  # the math is global: rank 0 raised it too and says it once, without N tracebacks
+        os._exit(LEARNER_ERROR)
     dist.destroy_process_group()
 
 
@@ -87,7 +95,8 @@ class RankDriver:
         except Exception as e:
             dead = self._dead()
             self.close(abort=True)  # the followers failed alike (the math is global) or are stuck: stop them
-            if not dead and not isinstance(e, dist.DistError):
+            alike = all(code == LEARNER_ERROR for _, code in dead)
+            if alike and not isinstance(e, dist.DistError):
                 raise  # the learner's own error (e.g. NonFiniteError), raised on every rank
             who = ", ".join(f"trainer rank {r} exited with code {c}" for r, c in dead) or f"a collective failed: {e}"
             raise RankFailed(f"{name}: {who}") from None

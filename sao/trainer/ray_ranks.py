@@ -65,7 +65,7 @@ class TrainerRank:
     """One trainer rank: a `DistributedLearner` (built by `build`) in its own Ray worker process."""
 
     def __init__(self, rank: int, world: int, cwd: str) -> None:
-        self.rank, self.world, self.learner = rank, world, None
+        self.rank, self.world, self.learner, self.cwd = rank, world, None, cwd
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the driver checkpoints, then closes the ranks
         if os.path.isdir(cwd):  # the driver's relative paths (run directory, critic.path) mean the same here
             os.chdir(cwd)
@@ -73,7 +73,8 @@ class TrainerRank:
     def where(self) -> dict:
         """Where this rank runs; rank 0 also picks the rendezvous port on its node."""
         ip = ray.util.get_node_ip_address()
-        out = {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "ip": ip, "pid": os.getpid()}
+        out = {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "ip": ip, "pid": os.getpid(),
+               "sees_cwd": os.path.isdir(self.cwd)}
         if self.rank == 0:
             out["port"] = free_port(ip)
         return out
@@ -185,6 +186,11 @@ def start_ray_ranks(cfg: TrainerConfig, build: Callable, args: tuple, model_path
               for r in range(world)]
     driver = RayRankDriver(actors, group, [], 0, cfg.timeout_s, model_path)
     driver.placement = driver._gather("start", [a.where.remote() for a in actors])
+    blind = [p for p in driver.placement if not p.pop("sees_cwd")]
+    if blind:  # its shards would land in Ray's worker directory: a checkpoint that looks whole but is not
+        driver.close(abort=True)
+        raise ConfigError(f"trainer.ranks: rank {blind[0]['rank']} runs on node {blind[0]['ip']}, which does not "
+                          f"see {os.getcwd()}; the run directory must be on a filesystem every node sees")
     host, port = driver.placement[0]["ip"], driver.placement[0]["port"]
     versions = driver._gather("start", [a.start.remote(host, port, cfg.timeout_s, build, args) for a in actors])
     driver._version = versions[0]

@@ -135,8 +135,10 @@ def by_name(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> 
     names = {p: n for n, p in model.named_parameters()}
     order = [names[p] for g in opt.param_groups for p in g["params"]]
     if len(order) != sum(len(g["params"]) for g in state["param_groups"]):
-        raise ValueError(f"the checkpoint's optimizer has {sum(len(g['params']) for g in state['param_groups'])} "
-                         f"trained parameters, this model {len(order)}")
+        from sao.config import ConfigError
+
+        raise ConfigError(f"--resume: the checkpoint's optimizer has {sum(len(g['params']) for g in state['param_groups'])} "
+                          f"trained parameters, this model {len(order)} (other model or LoRA settings than the run's)")
     return {"state": {order[i]: s for i, s in state["state"].items()},
             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
 
