@@ -5,11 +5,13 @@ a killed run with the default settings, two runs started in the same second, slo
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import TINY as BASE
@@ -54,6 +56,64 @@ def test_two_runs_building_one_sft_model_at_once_both_get_a_whole_cache_entry(tm
     entries = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     assert len(entries) == 1 and cache_entry_problem(entries[0]) is None
     assert (entries[0] / "tokenizer.json").is_file()
+
+
+BUILD = textwrap.dedent("""
+    import json, subprocess, sys
+    from sao.runtime import model_setup, threads
+    threads.set_wait_policy(sys.argv[1])
+    from sao.config import load_config
+    child_env = []
+    real_popen = model_setup.subprocess.Popen
+    def popen(*args, env=None, **kwargs):  # a spy: the real Popen, with the environment it got noted
+        child_env.append(env.get("OMP_WAIT_POLICY"))
+        return real_popen(*args, env=env, **kwargs)
+    model_setup.subprocess.Popen = popen
+    cfg = load_config(None, ["sft.steps=6", "sft.batch_size=4", "model.cache_dir=" + sys.argv[2]])
+    steps = []
+    path, built = model_setup.prepare_base_model(cfg, on_step=lambda step, loss: steps.append(step))
+    print(json.dumps({"child_env": child_env, "steps": steps, "path": str(path), "built": built}))
+""")
+
+
+def _build_sft(mode, cache, **env):
+    base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    proc = subprocess.run([sys.executable, "-c", BUILD, mode, str(cache)], env={**base, **env},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_an_async_run_builds_its_sft_model_in_a_child_that_spins_and_gets_the_same_model(tmp_path):
+    """An async run sets OMP_WAIT_POLICY=PASSIVE before torch loads (the trainer shares cores with the
+    workers later); building the SFT model under it was ~1.3x slower. The build runs in a child without it."""
+    async_, sync = _build_sft("async", tmp_path / "a"), _build_sft("sync", tmp_path / "s")
+    assert async_["child_env"] == [None] and sync["child_env"] == []  # a child, and it spins; sync: in process
+    assert async_["steps"] == sync["steps"] == list(range(6)) and async_["built"]
+    weights = [(Path(r["path"]) / "model.safetensors").read_bytes() for r in (async_, sync)]
+    assert weights[0] == weights[1]
+    assert cache_entry_problem(Path(async_["path"])) is None
+    user = _build_sft("async", tmp_path / "u", OMP_WAIT_POLICY="PASSIVE")  # the user's own policy: kept
+    assert user["child_env"] == []
+
+
+def test_ctrl_c_while_the_sft_child_builds_stops_both_and_leaves_no_partial_entry(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "sao.cli", "train", "sft.steps=5000", "model.cache_dir=cache",
+                             "--quiet"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"})
+    child = None
+    for _ in range(600):  # the child appears once the parent has imported and checked the config
+        kids = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "build_child"], capture_output=True, text=True)
+        if kids.stdout.strip() and any((tmp_path / "cache").glob("*.partial-*/model.safetensors")):
+            child = int(kids.stdout.split()[0])
+            break
+        time.sleep(0.1)
+    assert child is not None, "no SFT child process"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["sao: interrupted"], err[-3000:]
+    assert not Path(f"/proc/{child}").exists()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [p.name for p in (tmp_path / "cache").glob("*.lock")]
 
 
 def test_a_cache_entry_with_a_file_missing_or_truncated_is_rebuilt(tmp_path):

@@ -19,8 +19,11 @@ import fcntl
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -34,6 +37,7 @@ from sao.models.tiny import build_tiny_model, load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.runtime.preflight import model_path_of
 from sao.runtime.run_dir import fsync_tree, write_failure
+from sao.runtime.threads import spinning_env
 from sao.trainer.sft import Example, sft_train
 
 SFT_FORMAT = 2  # bump when the demo tokenization, SFT recipe or held-out split changes (2: split by data_seed)
@@ -102,7 +106,7 @@ def prepare_base_model(cfg: Config, on_step: Callable[[int, float], None] | None
             log(f"SFT cache entry {out} is unusable ({problem}); rebuilding it")
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
         try:
-            _build(cfg, tmp, on_step)
+            _build_entry(cfg, tmp, on_step)
             fsync_tree(tmp)
             if out.exists():
                 old = Path(tempfile.mkdtemp(prefix=out.name + ".old-", dir=out.parent))
@@ -112,6 +116,67 @@ def prepare_base_model(cfg: Config, on_step: Callable[[int, float], None] | None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out, True
+
+
+def _build_entry(cfg: Config, tmp: Path, on_step) -> None:
+    """`_build` here, or in a child interpreter that spins (an async run's PASSIVE OpenMP policy is read
+    once, when torch loads, and makes SFT ~1.3x slower: sao/runtime/threads.py). The child only writes
+    into `tmp`; the lock, the checks and the rename stay here, so the cache is as safe either way. A
+    plain `python -c` child, not multiprocessing's spawn, which would re-run a user's unguarded script."""
+    env = spinning_env()
+    if env is None:
+        _build(cfg, tmp, on_step)
+        return
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # this process's sao, wherever it came from
+    child = subprocess.Popen([sys.executable, "-c", "from sao.runtime.model_setup import build_child; build_child()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    try:
+        child.stdin.write(pickle.dumps((cfg, str(tmp))))
+        child.stdin.close()
+        for line in child.stdout:  # one pickled, hex-encoded message per line
+            kind, *rest = pickle.loads(bytes.fromhex(line.decode()))
+            if kind == "step" and on_step is not None:
+                on_step(*rest)
+            elif kind == "error":
+                raise rest[0]
+            elif kind == "done":
+                return
+        raise RuntimeError(f"the SFT build process died (exit code {child.wait()})")  # killed: OOM, a signal
+    finally:  # also on Ctrl-C here: the child ignores SIGINT and is stopped by this process
+        if child.poll() is None:
+            child.terminate()
+        child.wait()
+        child.stdout.close()
+
+
+def build_child() -> None:
+    """The child of `_build_entry`: (config, folder) pickled on stdin; steps, then done or the error, on stdout."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what a Ctrl-C does
+    cfg, tmp = pickle.loads(sys.stdin.buffer.read())
+    channel = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything else printed goes to stderr, never into the messages
+
+    def send(*message) -> None:
+        channel.write(pickle.dumps(message).hex() + "\n")
+        channel.flush()
+
+    import torch
+
+    from sao.runtime.worker_host import quiet_transformers
+
+    quiet_transformers()
+    torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)  # ThreadPlan.setup
+    try:
+        _build(cfg, Path(tmp), lambda step, loss: send("step", step, loss))
+    except BrokenPipeError:  # the parent is gone
+        return
+    except BaseException as exc:  # noqa: BLE001 - raised again in the parent, as if the build ran there
+        try:
+            send("error", exc)
+        except Exception:  # noqa: BLE001 - an exception that does not pickle
+            send("error", RuntimeError(f"SFT build: {type(exc).__name__}: {exc}"))
+        return
+    send("done")
 
 
 def _build(cfg: Config, tmp: Path, on_step) -> None:

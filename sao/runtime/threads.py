@@ -19,7 +19,8 @@ is fastest when nothing else wants the core, and it takes CPU from the rollout w
 trainer shares cores with them. `wait_policy` picks PASSIVE only for async runs (trainer and workers
 share the machine) and leaves OpenMP's default (active spinning) elsewhere: `--sync`, `sao sft`, eval.
 It is read once, when torch loads OpenMP, so `set_wait_policy` runs before torch is imported; a user's
-own OMP_WAIT_POLICY always wins.
+own OMP_WAIT_POLICY always wins. An async run that has to build its SFT model first does it in a
+spawned child that spins (`spinning_env`): nothing else runs yet, and spinning SFT is ~1.3x faster.
 """
 
 from __future__ import annotations
@@ -41,10 +42,24 @@ def wait_policy(mode: str) -> str | None:
     return "PASSIVE" if mode == "async" else None
 
 
+_SET_HERE: str | None = None  # the policy set_wait_policy put into os.environ (not the user's own)
+
+
 def set_wait_policy(mode: str) -> None:
+    global _SET_HERE
     policy = wait_policy(mode)
-    if policy is not None:
-        os.environ.setdefault("OMP_WAIT_POLICY", policy)
+    if policy is not None and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = _SET_HERE = policy
+
+
+def spinning_env() -> dict[str, str] | None:
+    """The environment of a child process that trains alone before the run starts (the SFT build,
+    sao/runtime/model_setup.py): this process's, without the PASSIVE policy set_wait_policy chose for
+    the async trainer, which makes SFT ~1.3x slower. None when this process spins already (sync, sao sft)
+    or the policy is the user's own."""
+    if _SET_HERE is None or os.environ.get("OMP_WAIT_POLICY") != _SET_HERE:
+        return None
+    return {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
 
 
 class ThreadPlan:
