@@ -95,6 +95,15 @@ def tiny(tiny_model_dir):
     return load_model(tiny_model_dir), ChatCodec(load_tokenizer(tiny_model_dir))
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def arch_model_dir(request, tmp_path_factory):
+    """A 32-wide, 2-layer built-in model of each architecture (the packing and SFT tests run on both)."""
+    from sao.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, hidden_size=32,
+                            num_layers=2, num_heads=2, intermediate_size=64, max_positions=128, seed=0)
+
+
 @pytest.fixture(scope="session")
 def ray_address():
     """One local Ray cluster for the whole test run (small object store); CLI runs join it with

@@ -8,7 +8,7 @@ from sao.algo.losses import dis_policy_loss, value_loss
 from sao.algo.registry import get_algorithm
 from sao.config import AlgoConfig, CriticConfig, TrainConfig
 from sao.models.critic import build_critic
-from sao.models.tiny import build_tiny_model, load_model
+from sao.models.tiny import load_model
 from sao.trainer.batch import collate
 from sao.trainer.learner import Learner
 from sao.trainer.packing import actor_logprobs, critic_forward, pack, plan_rows
@@ -38,12 +38,6 @@ def _trajectories(n_tokens, seed=0):
 LENGTHS = [40, 7, 25, 33, 12, 60, 5, 21]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def model_dir(request, tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, hidden_size=32,
-                            num_layers=2, num_heads=2, intermediate_size=64, max_positions=128, seed=0)
-
-
 def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -59,12 +53,12 @@ def test_packing_layout_and_savings():
     assert p.index[padded.attention_mask.bool()].unique().numel() == sum(LENGTHS)
 
 
-def test_actor_pass_same_logprobs_loss_and_gradients(model_dir):
+def test_actor_pass_same_logprobs_loss_and_gradients(arch_model_dir):
     trajs = _trajectories(LENGTHS)
     grads, outs = [], []
     for packed in (False, True):
         torch.manual_seed(0)
-        model = load_model(model_dir).train()
+        model = load_model(arch_model_dir).train()
         batch = collate(trajs, pad_id=0)
         if packed:
             batch.packing = pack(batch.input_ids, batch.attention_mask)
@@ -82,11 +76,11 @@ def test_actor_pass_same_logprobs_loss_and_gradients(model_dir):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_critic_pass_same_values_loss_and_gradients(model_dir):
+def test_critic_pass_same_values_loss_and_gradients(arch_model_dir):
     trajs = _trajectories(LENGTHS, seed=1)
     grads, outs = [], []
     for packed in (False, True):
-        critic = build_critic(model_dir)
+        critic = build_critic(arch_model_dir)
         torch.manual_seed(0)
         torch.nn.init.normal_(critic.score.weight)  # a zero head would give zero values and no signal
         batch = collate(trajs, pad_id=0)
@@ -109,14 +103,14 @@ SHARED = ("loss/policy", "critic/value_loss", "critic/value_mean", "critic/grad_
 
 @pytest.mark.parametrize("algo,keys", [("sao", (*SHARED, "dis/approx_kl")),
                                        ("vapo", (*SHARED, "ppo/approx_kl", "ppo/clipfrac"))])
-def test_learner_step_same_numbers_packed_or_padded(model_dir, algo, keys):
+def test_learner_step_same_numbers_packed_or_padded(arch_model_dir, algo, keys):
     """A whole step (v0, K=2 critic updates, v2, then DIS, or PPO minibatch updates against pi_old)
     gives the same metrics either way."""
     trajs = _trajectories(LENGTHS, seed=2)
     runs = []
     for packed in (False, True):
         torch.manual_seed(0)
-        actor, critic = load_model(model_dir), build_critic(model_dir)
+        actor, critic = load_model(arch_model_dir), build_critic(arch_model_dir)
         learner = Learner(actor, critic, get_algorithm(algo), AlgoConfig(), CriticConfig(warmup_steps=0),
                           TrainConfig(lr=1e-3, pack=packed))
         runs.append(learner.step(collate(trajs, pad_id=0)))
@@ -126,11 +120,11 @@ def test_learner_step_same_numbers_packed_or_padded(model_dir, algo, keys):
         assert fast[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
 
 
-def _packed_pass(model_dir, trajs, keep_mask: bool, critic: bool):
+def _packed_pass(arch_model_dir, trajs, keep_mask: bool, critic: bool):
     """Outputs and gradients of one packed pass, with the kept 4-D mask or with the model building its own."""
     import sao.trainer.packing as packing
 
-    model = build_critic(model_dir) if critic else load_model(model_dir).train()
+    model = build_critic(arch_model_dir) if critic else load_model(arch_model_dir).train()
     if critic:
         torch.manual_seed(0)
         torch.nn.init.normal_(model.score.weight)
@@ -155,12 +149,12 @@ def _packed_pass(model_dir, trajs, keep_mask: bool, critic: bool):
 
 
 @pytest.mark.parametrize("critic", [False, True])
-def test_kept_attention_mask_same_bits_as_the_models_own(model_dir, critic):
+def test_kept_attention_mask_same_bits_as_the_models_own(arch_model_dir, critic):
     """The mask built once per batch and reused by every pass gives bit-identical outputs and gradients to
     the model building it from the position ids on each pass; it is built once per (implementation, dtype)."""
     trajs = _trajectories(LENGTHS, seed=3)
-    ref_out, ref_grads, _ = _packed_pass(model_dir, trajs, keep_mask=False, critic=critic)
-    out, grads, p = _packed_pass(model_dir, trajs, keep_mask=True, critic=critic)
+    ref_out, ref_grads, _ = _packed_pass(arch_model_dir, trajs, keep_mask=False, critic=critic)
+    out, grads, p = _packed_pass(arch_model_dir, trajs, keep_mask=True, critic=critic)
     assert len(p.masks) == 1 and next(iter(p.masks.values())).ndim == 4  # the kept mask was used
     for a, b in zip(ref_out, out):
         assert torch.equal(a, b)
@@ -185,7 +179,7 @@ def test_shared_log_softmax_same_bits_as_two_passes():
 
 
 @pytest.mark.parametrize("algo", ["sao", "grpo"])
-def test_learner_step_same_bits_with_kept_mask(model_dir, algo, monkeypatch):
+def test_learner_step_same_bits_with_kept_mask(arch_model_dir, algo, monkeypatch):
     """A whole step whose passes (critic x K, v2, actor; or pi_old and PPO minibatches) reuse one kept
     mask gives every metric and weight bit for bit as when each pass builds its own."""
     import sao.trainer.packing as packing
@@ -198,7 +192,7 @@ def test_learner_step_same_bits_with_kept_mask(model_dir, algo, monkeypatch):
         else:
             monkeypatch.undo()
         torch.manual_seed(0)
-        actor, critic = load_model(model_dir), build_critic(model_dir)
+        actor, critic = load_model(arch_model_dir), build_critic(arch_model_dir)
         learner = Learner(actor, critic, get_algorithm(algo), AlgoConfig(group_size=4), CriticConfig(warmup_steps=0),
                           TrainConfig(lr=1e-3))
         batch = collate(trajs, pad_id=0)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from sao.models.tiny import build_tiny_model, load_model
+from sao.models.tiny import load_model
 from sao.trainer.sft import collate_examples, pack_examples, sft_loss, sft_train
 
 PAD = 0
@@ -26,12 +26,6 @@ def _examples(lengths, seed=0):
 LENGTHS = [40, 9, 26, 33, 12, 60, 7, 21]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def model_dir(request, tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, hidden_size=32,
-                            num_layers=2, num_heads=2, intermediate_size=64, max_positions=128, seed=0)
-
-
 def test_packed_layout_holds_every_token_once_in_fewer_positions():
     examples = _examples(LENGTHS)
     ids, pos, mask = pack_examples(examples, PAD)
@@ -43,11 +37,11 @@ def test_packed_layout_holds_every_token_once_in_fewer_positions():
     assert all(tuple(tok) in found for tok, _ in examples)
 
 
-def test_packed_loss_and_gradients_equal_the_padded_batch(model_dir):
+def test_packed_loss_and_gradients_equal_the_padded_batch(arch_model_dir):
     examples = _examples(LENGTHS)
     losses, grads = [], []
     for pack in (False, True):
-        model = load_model(model_dir).train()
+        model = load_model(arch_model_dir).train()
         loss = sft_loss(model, examples, PAD, pack)
         loss.backward()
         losses.append(loss.detach())
@@ -57,9 +51,9 @@ def test_packed_loss_and_gradients_equal_the_padded_batch(model_dir):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_no_example_sees_another_in_its_row(model_dir):
+def test_no_example_sees_another_in_its_row(arch_model_dir):
     """An example packed second in its row (26 after 33) has the loss it has alone."""
-    model = load_model(model_dir).eval()
+    model = load_model(arch_model_dir).eval()
     alone = sft_loss(model, _examples([26]), PAD)
     mixed = _examples(LENGTHS)
     mixed[2] = _examples([26])[0]
@@ -74,13 +68,13 @@ def test_a_loss_token_in_first_position_is_refused():
         pack_examples([([5, 6, 7], [1, 1, 1])], PAD)
 
 
-def test_short_sft_run_same_losses_packed_or_padded(model_dir):
+def test_short_sft_run_same_losses_packed_or_padded(arch_model_dir):
     pool = _examples([random.Random(i).randint(8, 50) for i in range(64)], seed=3)
 
     def sample(rng):
         return pool[rng.randrange(len(pool))]
 
-    runs = [sft_train(load_model(model_dir), sample, steps=6, batch_size=8, lr=5e-3, pad_id=PAD, pack=pack)
+    runs = [sft_train(load_model(arch_model_dir), sample, steps=6, batch_size=8, lr=5e-3, pad_id=PAD, pack=pack)
             for pack in (False, True)]
     assert runs[1] == pytest.approx(runs[0], rel=1e-4)
     assert runs[1][-1] < runs[1][0]
