@@ -21,9 +21,9 @@ def message(steps: int, step: int) -> str:
     return (f"sao: warning: critic/explained_variance has stayed below {LOW_EV} for {steps} steps with varying "
             f"rewards (step {step}): the critic gives about the same value to every state, so the actor's "
             "advantages are reward minus a batch mean. Likely cause: a randomly initialized or very small model "
-            "whose critic cannot tell the prompts apart (sync runs show it too). Options: a pretrained "
-            "critic (critic.path, sao pretrain-critic), critic.freeze_attention=false, or a critic-free "
-            "algo.name (grpo, running_mean); critic.warn_low_ev_steps=0 silences this")
+            "whose critic cannot tell the prompts apart. Options: a pretrained critic (critic.path, sao "
+            "pretrain-critic), critic.freeze_attention=false, or a critic-free algo.name (grpo, running_mean) "
+            "that gets a batch-level baseline for less; critic.warn_low_ev_steps=0 silences this")
 
 
 class CriticWatch:
