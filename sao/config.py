@@ -131,6 +131,9 @@ class CriticConfig(Section):
     freeze_pattern: str = Field(r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.", description="regex of frozen params")
     grad_clip: float = Field(10.0, gt=0, description="critic gradient-norm clip (1.0 starves it)")
     value_clip: float | None = Field(None, gt=0, description="optional PPO-style value clipping")
+    warn_low_ev_steps: int = Field(50, ge=0, description=(
+        "warn once when critic/explained_variance stays below 0.05 for this many steps in a row with varying "
+        "rewards after warm-up: the critic is then only a batch-mean baseline (docs/performance.md); 0 = never"))
     path: str | None = Field(None, description=(
         "start the critic from this folder: a pretrained critic (sao pretrain-critic) or another, e.g. smaller, "
         "causal LM with the actor's tokenizer (a zero value head is added)"))

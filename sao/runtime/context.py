@@ -28,6 +28,7 @@ from sao.models.tiny import load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.rollout.agent_loop import EpisodeLimits
 from sao.runtime import checkpoint
+from sao.runtime.critic_watch import CriticWatch
 from sao.runtime.episodes import PolicyCopy, limits_of
 from sao.runtime.groups import make_queue, task_stream
 from sao.runtime.model_setup import prepare_base_model
@@ -63,6 +64,7 @@ class RunContext:
     pending: dict = field(default_factory=dict)  # a resumed scheduler's unfinished episodes
     resumed_from: str | None = None  # that checkpoint's actor/ is model_path: never pruned
     _policy: PolicyCopy | None = None
+    critic_watch: CriticWatch = field(default_factory=CriticWatch)  # warns once on a critic that explains nothing
     stop_requested: str = ""  # the signal's name once Ctrl-C or SIGTERM arrived (sao/runtime/signals.py)
 
     def state_dict(self) -> dict:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 from sao.runtime.episodes import usable_batch
@@ -59,6 +60,9 @@ def finish_step(ctx, step: int, batch: list[Trajectory], version: int, metrics: 
     if hasattr(ctx.queue, "dropped_group"):  # usable group members dropped with a failed mate
         metrics["async/dropped_group_total"] = ctx.queue.dropped_group
     metrics["train/actor_version"] = ctx.trainer.version
+    warning = ctx.critic_watch.update(metrics, cfg.critic.warn_low_ev_steps, step)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     ctx.run.log(step, metrics)
     if step % cfg.output.trajectories_every == 0:
         ctx.run.write_trajectories(step, batch[: cfg.output.trajectories_per_dump], ctx.codec.decode)
