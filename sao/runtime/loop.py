@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
 from sao.runtime.episodes import usable_batch
@@ -62,7 +61,7 @@ def finish_step(ctx, step: int, batch: list[Trajectory], version: int, metrics: 
     metrics["train/actor_version"] = ctx.trainer.version
     warning = ctx.critic_watch.update(metrics, cfg.critic.warn_low_ev_steps, step)
     if warning:
-        print(warning, file=sys.stderr, flush=True)
+        ctx.progress.warn(warning)
     ctx.run.log(step, metrics)
     if step % cfg.output.trajectories_every == 0:
         ctx.run.write_trajectories(step, batch[: cfg.output.trajectories_per_dump], ctx.codec.decode)

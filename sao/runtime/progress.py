@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -18,6 +20,13 @@ class RunProgress:
     def log(self, message: str) -> None:
         if self.enabled:
             self.console.print(message)
+
+    def warn(self, message: str) -> None:
+        """A warning the user must see: above the live bar, or on stderr with --quiet."""
+        if self.enabled:
+            self.console.print(message, markup=False, highlight=False)
+        else:
+            print(message, file=sys.stderr, flush=True)
 
     def _bar(self, label: str) -> Progress:
         return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
