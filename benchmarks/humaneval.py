@@ -4,7 +4,11 @@ partial result is written after each chunk, with every episode's outcome and a f
 
     .venv/bin/python benchmarks/humaneval.py models/smollm2 examples/configs/smollm2_humaneval.yaml
 
-Writes benchmarks/results/humaneval/smollm2_135m.json (`--out`). Greedy decoding in chunks of
+Writes benchmarks/results/humaneval/smollm2_135m.json (`--out`). `--rejudge FILE` then runs the stored
+reply of every episode that ended in an environment fault (env_error, timeout) through a fresh episode
+of the same environment, one at a time, and adds the outcomes beside the as-run figures: in a run on
+the shared 2 cores, sandbox runs started while the engine generated failed with ProcessLookupError
+(not seen when the same replies are judged alone or 22 at once without the engine). Greedy decoding in chunks of
 `--chunk` problems: a different batch (`sao eval` runs up to 128 at once) pads differently, which
 can flip a greedy token where two are within float rounding, so the two can differ by a problem or so.
 """
@@ -21,12 +25,15 @@ from pathlib import Path
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model")
-    ap.add_argument("config")
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("config", nargs="?")
+    ap.add_argument("--rejudge", metavar="FILE", help="re-judge the environment faults of a written result")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--chunk", type=int, default=41)
     ap.add_argument("--out", default="benchmarks/results/humaneval/smollm2_135m.json")
     args = ap.parse_args()
+    if args.rejudge:
+        return rejudge(Path(args.rejudge))
 
     import torch
 
@@ -77,9 +84,34 @@ def write(out: Path, args, cfg, episodes: list[dict], total: int, wall_s: float)
         "env_options": cfg.env.options,
         "wall_s_shared_machine_nice19": round(wall_s),
         "samples": [{k: e[k] for k in ("task_id", "reward", "status", "reply")} for e in samples],
-        "episodes": [{k: e[k] for k in ("task_id", "reward", "status", "reason")} for e in episodes],
+        "episodes": [{k: e[k] for k in ("task_id", "reward", "status", "reason", "reply")} for e in episodes],
     }
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+def rejudge(path: Path) -> None:
+    import asyncio
+
+    from sao.envs import make_environment
+
+    result = json.loads(path.read_text())
+    environment = make_environment("code", result["env_options"], 0)
+    tasks = {t.id: t for t in environment.eval_tasks(result["problems_total"])}
+
+    async def judge(episode: dict) -> float:
+        live = environment.new_episode(None)
+        live.reset(tasks[episode["task_id"]])
+        step = await live.step(episode["reply"].removesuffix("<|im_end|>"))
+        return step.reward if step.done else 0.0
+
+    faults = [e for e in result["episodes"] if e["status"] in ("env_error", "timeout")]
+    outcomes = {e["task_id"]: asyncio.run(judge(e)) for e in faults}  # one at a time
+    passed = result["passed"] + sum(r == 1.0 for r in outcomes.values())
+    result.update({"rejudged": {"command": " ".join([".venv/bin/python", *sys.argv]), "episodes": len(faults),
+                                "passed_ids": [k for k, r in outcomes.items() if r == 1.0]},
+                   "passed_after_rejudge": passed, "pass_at_1_after_rejudge": passed / result["problems_run"]})
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"re-judged {len(faults)} episodes: {passed}/{result['problems_run']} passed")
 
 
 if __name__ == "__main__":
