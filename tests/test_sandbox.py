@@ -716,6 +716,53 @@ def test_async_runs_overlap_and_each_gets_its_own_verdict(mech):
     assert elapsed < 4.5  # concurrent: the 2 s timeout does not add up with the others
 
 
+@mechanisms
+def test_a_run_that_ended_while_the_event_loop_was_busy_is_judged_not_killed(mech):
+    """Before: the HumanEval eval (the engine's steps block the rollout loop) ended 60 of 123 episodes
+    with `env_error: ProcessLookupError`: the exit and the wall timer were handled together, and the
+    timeout path killed a process asyncio had already reaped."""
+    limits = Limits(cpu_s=1, wall_s=1, memory_mb=256, max_procs=8, max_file_mb=4)
+
+    def running() -> dict[str, tuple[int, str]]:  # pid: (parent, name) of processes not exited
+        table = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                head, tail = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
+            except OSError:
+                continue
+            state, ppid = tail.split()[:2]
+            if state not in "ZX":  # a zombie waits for the loop's child watcher: it has exited
+                table[pid] = (int(ppid), head.split("(", 1)[1])
+        return table
+
+    def tree(root: int) -> dict[str, str]:  # pid: name of the processes of our runs
+        table, found, parents = running(), {}, {str(root)}
+        while new := {p for p, (pp, _) in table.items() if str(pp) in parents and p not in found}:
+            found.update((p, table[p][1]) for p in new)
+            parents = new
+        return found
+
+    async def main():
+        box = NamespaceSandbox(mech)
+        await box.run_async(ADD, ["assert True"], limits)  # the mechanism's probe, outside the race
+
+        async def busy():  # an engine step: blocks the loop once the run has started, until it has exited
+            while not any(name.startswith("python") for name in tree(os.getpid()).values()):
+                await asyncio.sleep(0.001)  # the loop is free meanwhile: the host sends the run its job
+            start = time.monotonic()
+            while time.monotonic() - start < 20 and (tree(os.getpid()) or time.monotonic() - start < limits.wall_s + 0.5):
+                time.sleep(0.01)
+
+        blocker = asyncio.ensure_future(busy())
+        verdict = await box.run_async(ADD, ["assert add(1, 2) == 3"], limits)
+        await blocker
+        return verdict
+
+    for _ in range(3):
+        r = asyncio.run(main())
+        assert (r.status, r.passed, r.total) == ("passed", 1, 1), r
+
+
 # --- without root -------------------------------------------------------------------------------
 
 TEST_USER = "sao-sandbox-test"

@@ -251,7 +251,7 @@ class _Run:
             return await self._supervise(proc, read_fd, start)
         finally:
             if proc.returncode is None:
-                proc.kill()
+                _kill(proc)
                 await proc.wait()
             if self.cgroups:  # removing a cgroup may wait for the kernel: not on the event loop
                 await asyncio.to_thread(self._cleanup)
@@ -270,7 +270,7 @@ class _Run:
                 records.extend(chunk)
                 if len(records) > RESULTS_CAP:
                     events.add("results")
-                    proc.kill()
+                    _kill(proc)
                     return
 
         async def read_output():
@@ -288,8 +288,11 @@ class _Run:
         try:
             await asyncio.wait_for(proc.wait(), self.limits.wall_s)
         except asyncio.TimeoutError:
-            events.add("wall")
-            proc.kill()
+            # A busy event loop (an engine step on it, a stopped process) can see the exit and the timer
+            # together, and wait_for then raises after the exit was handled: a run that ended is not killed.
+            if proc.returncode is None:
+                events.add("wall")
+                _kill(proc)
             await proc.wait()
         watch.cancel()
         await asyncio.wait(readers, timeout=2)  # the namespace is gone, so the pipes close
@@ -307,13 +310,21 @@ class _Run:
         while proc.returncode is None:
             if tree_rss_kib(proc.pid) > cap or cgroup_oom(self.cgroups):
                 events.add("memory")
-                proc.kill()
+                _kill(proc)
                 return
             await asyncio.sleep(_WATCH_S)
 
     def _cleanup(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
         remove_cgroups(self.cgroups)
+
+
+def _kill(proc) -> None:
+    """SIGKILL the run, if it is still there: asyncio raises ProcessLookupError once it has handled the exit."""
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        pass
 
 
 class _Output:
