@@ -12,6 +12,7 @@ dependency can also be selected or left out on its own (e.g. -m "not vllm").
 
 import os
 import shutil
+import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(1)
+
+# A background job (`cmd &` in a script, nohup, a CI runner that starts the suite so) begins with SIGINT
+# ignored, and an ignored signal stays ignored across exec: every `sao` a test starts would then shrug off
+# the Ctrl-C the test sends it (a full run hung in test_first_hour's Ctrl-C test this way). Handled here as
+# in a terminal, a signal goes back to its default in each child.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # One SFT cache for the session: every end-to-end run with the same tiny config reuses one SFT model
 # (sao/runtime/model_setup.py keys entries by config, so different configs never collide). Tests about
