@@ -37,7 +37,7 @@ from sao.models.tiny import build_tiny_model, load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.runtime.preflight import model_path_of
 from sao.runtime.run_dir import fsync_tree, write_failure
-from sao.runtime.threads import spinning_env
+from sao.runtime.threads import ThreadPlan, spinning_env
 from sao.trainer.sft import Example, sft_train
 
 SFT_FORMAT = 2  # bump when the demo tokenization, SFT recipe or held-out split changes (2: split by data_seed)
@@ -160,12 +160,10 @@ def build_child() -> None:
         channel.write(pickle.dumps(message).hex() + "\n")
         channel.flush()
 
-    import torch
-
     from sao.runtime.worker_host import quiet_transformers
 
     quiet_transformers()
-    torch.set_num_threads(cfg.runtime.trainer_threads + cfg.runtime.rollout_threads)  # ThreadPlan.setup
+    ThreadPlan(cfg.runtime).setup()  # the parent's setup phase: nothing else runs yet
     try:
         _build(cfg, Path(tmp), lambda step, loss: send("step", step, loss))
     except BrokenPipeError:  # the parent is gone
