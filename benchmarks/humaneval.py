@@ -6,9 +6,10 @@ partial result is written after each chunk, with every episode's outcome and a f
 
 Writes benchmarks/results/humaneval/smollm2_135m.json (`--out`). `--rejudge FILE` then runs the stored
 reply of every episode that ended in an environment fault (env_error, timeout) through a fresh episode
-of the same environment, one at a time, and adds the outcomes beside the as-run figures: in a run on
-the shared 2 cores, sandbox runs started while the engine generated failed with ProcessLookupError
-(not seen when the same replies are judged alone or 22 at once without the engine). Greedy decoding in chunks of
+of the same environment, one at a time, and adds the outcomes beside the as-run figures (a check on the
+as-run verdicts: runs before 2026-12-03 06:00 lost 60 of 123 episodes to a sandbox fault, ProcessLookupError
+when the engine's steps held the event loop past a run's wall-clock limit, fixed in sao/sandbox/namespace.py).
+Greedy decoding in chunks of
 `--chunk` problems: a different batch (`sao eval` runs up to 128 at once) pads differently, which
 can flip a greedy token where two are within float rounding, so the two can differ by a problem or so.
 """
@@ -82,7 +83,7 @@ def write(out: Path, args, cfg, episodes: list[dict], total: int, wall_s: float)
         "format_errors": mean("format_errors"), "syntax_error": mean("syntax_error"),
         "rollout": cfg.rollout.model_dump(include={"max_turns", "max_action_tokens", "max_episode_tokens"}),
         "env_options": cfg.env.options,
-        "wall_s_shared_machine_nice19": round(wall_s),
+        "wall_s": round(wall_s),  # on a shared machine: see the run's "load" note where one was added
         "samples": [{k: e[k] for k in ("task_id", "reward", "status", "reply")} for e in samples],
         "episodes": [{k: e[k] for k in ("task_id", "reward", "status", "reason", "reply")} for e in episodes],
     }
