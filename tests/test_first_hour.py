@@ -2,6 +2,7 @@
 runs building one SFT model at once, resuming a finished run, a truncated checkpoint, a full disk,
 a killed run with the default settings, two runs started in the same second, slow refusals."""
 
+import fcntl
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ from conftest import TINY as BASE
 
 from sao.config import load_config
 from sao.runtime import checkpoint
-from sao.runtime.model_setup import cache_entry_problem, prepare_base_model
+from sao.runtime.model_setup import base_model_key, cache_entry_problem, prepare_base_model
 from sao.runtime.run_dir import RunDir
 
 TINY = [*BASE, "output.save_every=2", "model.cache_dir=cache"]  # its own cache: some tests are about the cache
@@ -47,12 +48,24 @@ def test_two_runs_building_one_sft_model_at_once_both_get_a_whole_cache_entry(tm
     """Before: both processes shared one .partial folder and each deleted it when it started; the entry
     kept sft.json and the weights but lost the tokenizer, and every later run failed."""
     args = ["sft", "sft.steps=20", "sft.batch_size=8", "model.cache_dir=cache", "--quiet"]
-    procs = [subprocess.Popen([sys.executable, "-m", "sao.cli", *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    entry = tmp_path / "cache" / f"tiny-{base_model_key(load_config(None, args[1:-1]))}"
+    entry.parent.mkdir()
+    logs = [tmp_path / f"err{i}.txt" for i in range(2)]
+    # the test holds the entry's lock until both have queued on it, so the two always overlap (started
+    # together, one could finish its 20 steps before the other reached the lock: a flake once in CI)
+    with open(entry.with_name(entry.name + ".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        procs = [subprocess.Popen([sys.executable, "-m", "sao.cli", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                                  stderr=log.open("w"), text=True) for log in logs]
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not all("waiting for another sao process" in log.read_text()
+                                                      for log in logs):
+            assert all(p.poll() is None for p in procs), [log.read_text() for log in logs]
+            time.sleep(0.1)
+    outs = [(p.communicate(timeout=300)[0], log.read_text()) for p, log in zip(procs, logs)]
     assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("waiting for another sao process" in o[1] for o in outs), outs
     assert sorted(o[0].split()[0] for o in outs) == ["built", "cached"]  # one built it, the other waited
-    assert any("waiting for another sao process" in o[1] for o in outs)
     entries = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     assert len(entries) == 1 and cache_entry_problem(entries[0]) is None
     assert (entries[0] / "tokenizer.json").is_file()
