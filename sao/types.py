@@ -145,6 +145,7 @@ class WorkerStats:
     wall_s: float = 0.0
     hung_steps: int = 0  # environment steps that ran past step_timeout_s and never returned
     engine_errors: int = 0
+    engine_restarts: int = 0  # inference servers this worker's engine restarted after they died (vllm)
 
 
 @dataclass

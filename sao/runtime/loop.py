@@ -102,6 +102,7 @@ def async_perf(ctx, wait_s: float, wall: float, sync_ms: float) -> dict:
         "async/worker_restarts_total": float(sched.lost),
         "rollout/hung_steps": float(ws["hung_steps"]),
         "rollout/engine_errors_total": float(ws["engine_errors"]),
+        "rollout/engine_restarts_total": float(ws["engine_restarts"]),
         "perf/tokens_per_s": ws["tokens"] / max(ws["wall_s"] / max(len(sched.stats), 1), 1e-9),
         "perf/engine_tokens_per_s": ws["tokens"] / max(ws["busy_s"], 1e-9),
         "perf/weight_sync_ms": sync_ms,

@@ -172,4 +172,5 @@ class Scheduler:
         s = list(self.stats.values())
         return {"tokens": sum(x.tokens for x in s), "busy_s": sum(x.busy_s for x in s),
                 "wall_s": sum(x.wall_s for x in s), "version": min((x.version for x in s), default=0),
-                "hung_steps": sum(x.hung_steps for x in s), "engine_errors": sum(x.engine_errors for x in s)}
+                "hung_steps": sum(x.hung_steps for x in s), "engine_errors": sum(x.engine_errors for x in s),
+                "engine_restarts": sum(x.engine_restarts for x in s)}

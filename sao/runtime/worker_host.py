@@ -83,7 +83,8 @@ class WorkerHost:
 
         s = getattr(self.engine, "stats", {})
         return WorkerStats(self.spec.index, self.engine.version, int(s.get("tokens", 0)), float(s.get("busy_s", 0.0)),
-                           time.perf_counter() - self.t_start, hung_steps(), self.engine_errors)
+                           time.perf_counter() - self.t_start, hung_steps(), self.engine_errors,
+                           int(s.get("restarts", 0)))
 
     async def run(self, ready: Callable[[], None] = lambda: None) -> None:
         """Serve until STOP; `ready` is called once the inbox exists (submit may be used after it)."""
