@@ -24,6 +24,12 @@ def test_horizon_experiment_covers_every_algorithm_and_quest_length():
     quick = exp.preset(quick=True)
     assert set(quick.variants) < set(exp.variants) and {algo[n] for n in quick.variants} == set(algo.values())
     assert len(exp.seeds) >= 2 and quick.seeds == [0]
+    # the full preset's longer quests take fewer steps (each costs more); the quick preset's sizing wins over that
+    from sao.bench.run import total_steps
+
+    assert [total_steps(exp, [], f"q{q}-sao") for q in (2, 5, 10)] == [40, 25, 15]
+    assert {total_steps(quick, [], n) for n in quick.variants} == {3}
+    assert exp.analysis["groups"] == ["q2-", "q5-", "q10-"]
 
 
 @pytest.mark.slow
@@ -43,6 +49,10 @@ def test_horizon_quick_preset_writes_every_file(tmp_path):
         s = v["per_seed"]["0"]
         assert s["steps_done"] == 3 and s["final_accuracy"] is not None and s["lag_mean"] is not None
     assert set(res["accuracy_at_equal_wall"]) == set(quick.variants)
+    groups = res["equal_wall_by_group"]  # equal wall-clock within a quest length
+    assert set(groups) == {"q2-", "q10-"} and set(groups["q10-"]["accuracy"]) == {"q10-sao"}
+    assert groups["q2-"]["wall_s"] == min(v["per_seed"]["0"]["train_wall_s"] for n, v in res["variants"].items()
+                                          if n.startswith("q2-"))
     # the games were generated once per setting and cached; the runs played them with the latency on
     assert len(list((tmp_path / "cache").glob("textworld-*/games.json"))) == 3  # q2 sparse, q2 dense, q10
     run = tmp_path / next(r["run_dir"] for r in res["runs"] if r["variant"] == "q10-sao")

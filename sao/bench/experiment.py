@@ -14,6 +14,7 @@
               rollout_only: sao_gen}], recovery: {...}}
     quick: {overrides: [...], seeds: [0], analysis: {recovery: {window: 2}},  # the `--quick` preset, on top
             variants: [sao]}                      # optional: only these variants in the quick preset
+                                                  # (its overrides win over the variants' own)
 
 Every variant runs as its own `sao train` process (a fresh interpreter, so no state leaks from one
 run into the next), one after another: on a small machine side-by-side runs would steal each
@@ -66,7 +67,8 @@ class Experiment(BaseModel):
             return self.model_copy(update={"seeds": list(seeds)}) if seeds else self
         chosen = self.quick.variants or list(self.variants)
         return self.model_copy(update={
-            "variants": {name: self.variants[name] for name in chosen},
+            # the preset's sizing wins over a variant's own (horizon's longer quests take fewer steps in full)
+            "variants": {name: self.variants[name] + self.quick.overrides for name in chosen},
             "overrides": self.overrides + self.quick.overrides,
             "seeds": list(seeds or self.quick.seeds or self.seeds),
             "budget_s": self.quick.budget_s or self.budget_s,

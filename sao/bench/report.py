@@ -58,6 +58,13 @@ def summarize(exp, runs: dict[str, dict[int, dict]], infos: list[dict], starts: 
         extra["equal_wall_s"] = equal
         extra["accuracy_at_equal_wall"] = {n: _r(mean([accuracy_at(runs[n][s], equal) for s in runs[n]]))
                                            for n in runs if n not in timing_only}
+    for prefix in exp.analysis.get("groups", []):  # variants compared among themselves (one task, one budget)
+        names = [n for n in variants if n.startswith(prefix) and n not in timing_only]
+        group_walls = [s["train_wall_s"] for n in names for s in variants[n]["per_seed"].values() if s["train_wall_s"]]
+        if group_walls:
+            equal = min(group_walls)
+            extra.setdefault("equal_wall_by_group", {})[prefix] = {
+                "wall_s": equal, "accuracy": {n: _r(mean([accuracy_at(runs[n][s], equal) for s in runs[n]])) for n in names}}
     for o in overlap:  # async wall / max(generation-only, training-only) for the same steps
         a, s, g = o["async"], o["sync"], o.get("rollout_only")
         if a not in variants or s not in variants:
@@ -124,6 +131,9 @@ def markdown(res: dict) -> str:
     if "accuracy_at_equal_wall" in res:
         lines += ["", f"Held-out accuracy at equal training wall-clock ({res['equal_wall_s']:.0f} s): " + ", ".join(
             f"`{n}` {_fmt(a)}" for n, a in res["accuracy_at_equal_wall"].items())]
+    for prefix, g in res.get("equal_wall_by_group", {}).items():
+        lines += ["", f"`{prefix}*` at equal training wall-clock ({g['wall_s']:.0f} s, the group's fastest run): " + ", ".join(
+            f"`{n}` {_fmt(a)}" for n, a in g["accuracy"].items())]
     for pair, ratios in res.get("overlap", {}).items():
         for r in ratios:
             text = (f"seed {r['seed']}: async {r['async_s']:.0f} s / max(gen-only {r['gen_only_s']:.0f} s "

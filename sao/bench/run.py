@@ -31,10 +31,12 @@ def phase_starts(exp, extra: list[str]) -> list[int] | None:
     return [p.start for p in StyleShiftOptions(**cfg.env.options).phases]
 
 
-def total_steps(exp, extra: list[str]) -> int:
+def total_steps(exp, extra: list[str], variant: str | None = None) -> int:
+    """train.steps of a variant (its own overrides may change it), or of the shared settings."""
     from sao.config import load_config
 
-    return load_config(exp.config, [*exp.overrides, *extra]).train.steps
+    own = exp.variants[variant] if variant else []
+    return load_config(exp.config, [*exp.overrides, *own, *extra]).train.steps
 
 
 def write_results(exp, runs: dict, infos: list[dict], starts, preset: str, out: Path) -> dict:
@@ -100,20 +102,22 @@ def bench(name: str, quick: bool = False, out: str | None = None, runs_root: str
     check_runs(exp, extra)  # every variant's config is valid before the first run starts
     out_dir = Path(out) if out else Path("benchmarks") / "results" / exp.name / preset
     root = Path(runs_root) if runs_root else Path("runs") / "bench" / f"{exp.name}-{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    starts, steps = phase_starts(exp, extra), total_steps(exp, extra)
+    starts = phase_starts(exp, extra)
+    steps = {v: total_steps(exp, extra, v) for v in exp.variants}
     jobs = [(seed, v) for seed in exp.seeds for v in exp.variants]
-    log(f"bench {exp.name} ({preset}): {len(exp.variants)} variants x {len(exp.seeds)} seeds, {steps} steps each; "
-        f"runs in {root}, results in {out_dir}")
+    counts = sorted(set(steps.values()))
+    log(f"bench {exp.name} ({preset}): {len(exp.variants)} variants x {len(exp.seeds)} seeds, "
+        f"{'/'.join(map(str, counts))} steps each; runs in {root}, results in {out_dir}")
     runs: dict[str, dict[int, dict]] = {v: {} for v in exp.variants}
     infos: list[dict] = []
     t0 = time.time()
     previous = _previous_records(root, out_dir)
     for i, (seed, variant) in enumerate(jobs, 1):
-        info = finished_run(exp, variant, seed, root, extra, steps, previous)
+        info = finished_run(exp, variant, seed, root, extra, steps[variant], previous)
         if info is not None:
             log(f"[{i}/{len(jobs)}] {variant} seed {seed}: finished in {root} already, reused")
         else:
-            info = run_variant(exp, variant, seed, root, extra, steps, f"[{i}/{len(jobs)}]", log)
+            info = run_variant(exp, variant, seed, root, extra, steps[variant], f"[{i}/{len(jobs)}]", log)
             _record(root, info)
             state = "ok" if info["returncode"] == 0 else f"exit {info['returncode']}: {info['last_line']}"
             log(f"[{i}/{len(jobs)}] {variant} seed {seed}: {state} ({info['process_s']:.0f}s)")
