@@ -173,7 +173,10 @@ def cmd_report(ns) -> int:
 def cmd_bench(ns) -> int:
     from sao.bench.run import bench
 
-    bench(ns.experiment, quick=ns.quick, out=ns.out, runs_root=ns.runs, extra=ns.args, seeds=ns.seeds)
+    if ns.finished_only and not ns.runs:
+        raise ConfigError("--finished-only: say which bench's runs with --runs DIR")
+    bench(ns.experiment, quick=ns.quick, out=ns.out, runs_root=ns.runs, extra=ns.args, seeds=ns.seeds,
+          finished_only=ns.finished_only)
     return 0
 
 
@@ -219,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run")
     p.set_defaults(fn=cmd_report)
     p = sub.add_parser("bench", help="run an experiment's variants side by side: results.json, results.md, curves.png",
-                       epilog="experiments: stability, wallclock, ablation, online (shipped in sao/bench/experiments/) "
+                       epilog="experiments: stability, wallclock, ablation, online, horizon (shipped in sao/bench/experiments/) "
                               "or your own YAML file; key=value overrides apply to every variant")
     p.add_argument("experiment", help="a shipped experiment's name or the path of a .yaml file")
     p.add_argument("args", nargs="*", help="dotted overrides applied to every variant")
@@ -228,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", nargs="+", type=int, help="train.seed of each repeat, instead of the experiment's")
     p.add_argument("--runs", help=("folder for the run directories (default: runs/bench/EXPERIMENT-PRESET-TIME); "
                          "runs already finished there with the same command are reused, not re-trained"))
+    p.add_argument("--finished-only", action="store_true",
+                   help="write the results of the runs already finished in --runs and start no run (a bench cut short)")
     p.set_defaults(fn=cmd_bench)
     return parser
 

@@ -4,6 +4,7 @@ pair), and its quick preset run end to end on real TextWorld games, writing ever
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -60,3 +61,19 @@ def test_horizon_quick_preset_writes_every_file(tmp_path):
     assert (cfg["env"]["options"]["quest_length"], cfg["rollout"]["max_turns"]) == (10, 12)
     assert any((run / "trajectories").iterdir())
     assert "| `q2-sao-dense` |" in (out / "results.md").read_text()
+    # a bench cut short: --finished-only writes the results of what finished and starts no run
+    root = str(Path(res["runs"][0]["run_dir"]).parent)  # as the bench wrote it: part of each run's command
+    runs = tmp_path / root
+    (runs / "q2-grpo_dis-s0" / "summary.json").unlink()  # as if it had been stopped mid-run
+    again = subprocess.run([sys.executable, "-m", "sao.cli", "bench", "horizon", "--quick", "--out", "out2", "--runs",
+                            root, "--finished-only", "model.cache_dir=cache", "env.options.cache_dir=cache"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "q2-grpo_dis seed 0: not finished" in again.stdout
+    assert not (runs / "q2-grpo_dis-s0" / "summary.json").exists()  # not run again
+    res2 = json.loads((tmp_path / "out2" / "results.json").read_text())
+    assert [r["variant"] for r in res2["runs"]] == [n for n in quick.variants if n != "q2-grpo_dis"]
+    assert res2["variants"]["q2-sao"] == res["variants"]["q2-sao"]
+    bad = subprocess.run([sys.executable, "-m", "sao.cli", "bench", "horizon", "--finished-only"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--runs" in bad.stderr and "Traceback" not in bad.stderr

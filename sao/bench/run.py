@@ -95,7 +95,10 @@ def _record(root: Path, info: dict) -> None:
 
 
 def bench(name: str, quick: bool = False, out: str | None = None, runs_root: str | None = None,
-          extra: list[str] | None = None, log=print, seeds: list[int] | None = None) -> dict:
+          extra: list[str] | None = None, log=print, seeds: list[int] | None = None,
+          finished_only: bool = False) -> dict:
+    """Run every variant x seed (reusing runs finished in `runs_root`) and write the results; with
+    `finished_only`, write the results of the finished runs and run nothing (a bench cut short)."""
     extra = extra or []
     exp = load_experiment(name).preset(quick, seeds)
     preset = "quick" if quick else "full"
@@ -116,6 +119,9 @@ def bench(name: str, quick: bool = False, out: str | None = None, runs_root: str
         info = finished_run(exp, variant, seed, root, extra, steps[variant], previous)
         if info is not None:
             log(f"[{i}/{len(jobs)}] {variant} seed {seed}: finished in {root} already, reused")
+        elif finished_only:
+            log(f"[{i}/{len(jobs)}] {variant} seed {seed}: not finished in {root}, left out (--finished-only)")
+            continue
         else:
             info = run_variant(exp, variant, seed, root, extra, steps[variant], f"[{i}/{len(jobs)}]", log)
             _record(root, info)
