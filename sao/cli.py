@@ -13,7 +13,8 @@
 Bad input (unknown key, bad value, missing file, a damaged checkpoint, a finished run to resume)
 prints one line naming it and exits with code 2, before anything is started or written. A write that
 fails (a full disk) prints one line naming the file and exits with code 74; what was written before
-(earlier checkpoints, metrics rows) is intact.
+(earlier checkpoints, metrics rows) is intact. `sao bench` exits with code 1 when one of its runs failed
+(its results, listing the failed runs, are written all the same).
 """
 
 from __future__ import annotations
@@ -175,9 +176,11 @@ def cmd_bench(ns) -> int:
 
     if ns.finished_only and not ns.runs:
         raise ConfigError("--finished-only: say which bench's runs with --runs DIR")
-    bench(ns.experiment, quick=ns.quick, out=ns.out, runs_root=ns.runs, extra=ns.args, seeds=ns.seeds,
-          finished_only=ns.finished_only)
-    return 0
+    from sao.bench.report import failed_runs
+
+    res = bench(ns.experiment, quick=ns.quick, out=ns.out, runs_root=ns.runs, extra=ns.args, seeds=ns.seeds,
+                finished_only=ns.finished_only)
+    return 1 if failed_runs(res) else 0  # the results are written either way; a script must see the failure
 
 
 def build_parser() -> argparse.ArgumentParser:

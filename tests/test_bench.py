@@ -155,3 +155,55 @@ def test_wallclock_quick_preset_writes_every_file(tmp_path, monkeypatch):
     prev = _previous_records(rel, Path("out"))
     assert finished_run(exp, "sao", 0, rel, ["model.cache_dir=cache"], 6, prev) is not None
     assert finished_run(exp, "sao", 0, rel, ["model.cache_dir=cache", "train.lr=1e-3"], 6, prev) is None
+
+
+@pytest.mark.slow
+def test_a_bench_killed_mid_run_runs_that_run_again_and_keeps_the_partial_one(tmp_path):
+    """Reproduction (issue 23): a bench killed while a run trains left `v-s0/` without a summary, and the
+    next `sao bench` on the same folder failed that run with "run directory ... exists already"."""
+    import os
+    import signal
+    import time
+
+    exp = tmp_path / "tiny.yaml"
+    exp.write_text(
+        "overrides: [model.hidden_size=32, model.num_layers=1, model.num_heads=2, model.intermediate_size=64,\n"
+        "            sft.steps=5, sft.batch_size=4, train.steps=6, train.batch_size=4, critic.warmup_steps=1,\n"
+        "            rollout.max_turns=2, rollout.max_action_tokens=8, eval.every=0, eval.num_tasks=4,\n"
+        "            env.options.step_latency_s=0.3, model.cache_dir=cache]\n"
+        "variants:\n  sao: [algo.name=sao]\n")
+    cmd = [sys.executable, "-m", "sao.cli", "bench", str(exp), "--out", "out", "--runs", "r"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    metrics = tmp_path / "r" / "sao-s0" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.is_file() and '"reward/mean"' in metrics.read_text()) and proc.poll() is None:
+        assert time.time() < deadline, "the run never reached its first step"
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)  # the bench and its `sao train` child, mid-run
+    proc.wait()
+    assert not (tmp_path / "r" / "sao-s0" / "summary.json").exists()
+    partial = metrics.read_text()
+
+    again = _sao("bench", str(exp), "--out", "out", "--runs", "r", cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "moved to sao-s0.interrupted-" in again.stdout
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["returncode"] for r in res["runs"]] == [0]
+    assert res["variants"]["sao"]["per_seed"]["0"]["steps_done"] == 6
+    # the killed run is kept as it was, its log beside it
+    aside = [p for p in (tmp_path / "r").iterdir() if p.name.startswith("sao-s0.interrupted-")]
+    assert sorted(p.suffix == ".log" for p in aside) == [False, True]
+    kept = next(p for p in aside if p.is_dir())
+    assert (kept / "metrics.jsonl").read_text() == partial
+    # a third bench on the folder reuses the finished run and leaves the set-aside one alone
+    third = _sao("bench", str(exp), "--out", "out", "--runs", "r", cwd=tmp_path, timeout=300)
+    assert third.returncode == 0 and third.stdout.count("already, reused") == 1, third.stdout[-2000:]
+    # main also let a bench whose run failed exit 0, the failure visible only in results.json: now it exits 1,
+    # says which run failed, and results.md lists it (a real failure: the model folder does not exist)
+    bad = _sao("bench", str(exp), "--out", "out-bad", "--runs", "r-bad", "model.path=missing-model", cwd=tmp_path,
+               timeout=300)
+    assert bad.returncode == 1 and "1 of 1 runs failed: sao seed 0 (exit 2" in bad.stdout, bad.stdout[-2000:]
+    assert "- `sao` seed 0: exit 2: sao: error: model.path:" in (tmp_path / "out-bad" / "results.md").read_text()
+    assert "Traceback" not in bad.stderr and "Warning" not in bad.stderr, bad.stderr[-2000:]

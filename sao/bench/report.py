@@ -103,6 +103,11 @@ def _fmt(x, pct=False):
     return f"{100 * x:.2f}%" if pct else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
 
+def failed_runs(res: dict) -> list[dict]:
+    """Runs that exited with an error (a run stopped at its wall-clock budget exits 130 and is not one)."""
+    return [r for r in res["runs"] if r.get("returncode") not in (0, None) and not r.get("budget_stopped")]
+
+
 def markdown(res: dict) -> str:
     has_target = "target_accuracy" in res["analysis"]
     has_rec = res["phase_starts"] and "recovery" in res["analysis"]
@@ -128,6 +133,10 @@ def markdown(res: dict) -> str:
         if has_rec:
             row.append("; ".join(str(s["recovery_steps"]) for s in ps))
         lines.append("| " + " | ".join(row) + " |")
+    failed = failed_runs(res)
+    if failed:
+        lines += ["", "**Failed runs** (their figures above are what they wrote before failing):", ""]
+        lines += [f"- `{r['variant']}` seed {r['seed']}: exit {r['returncode']}: {r['last_line']}" for r in failed]
     if "accuracy_at_equal_wall" in res:
         lines += ["", f"Held-out accuracy at equal training wall-clock ({res['equal_wall_s']:.0f} s): " + ", ".join(
             f"`{n}` {_fmt(a)}" for n, a in res["accuracy_at_equal_wall"].items())]
@@ -182,7 +191,8 @@ def plot(res: dict, runs: dict[str, dict[int, dict]], out: Path) -> None:
                 ax.axvline(s, color="grey", lw=0.8, ls="--")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
+    if axes.flat[0].get_legend_handles_labels()[0]:  # nothing to label when every run failed before step 1
+        axes.flat[0].legend(fontsize=7)
     fig.suptitle(f"{res['experiment']} ({res['preset']} preset, seeds {res['seeds']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=80)

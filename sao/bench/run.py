@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sao.bench.analysis import load_run
 from sao.bench.experiment import check_runs, last_line, load_experiment, run_variant, train_args
-from sao.bench.report import markdown, plot, summarize
+from sao.bench.report import failed_runs, markdown, plot, summarize
 
 
 def phase_starts(exp, extra: list[str]) -> list[int] | None:
@@ -84,6 +84,27 @@ def finished_run(exp, variant: str, seed: int, root: Path, extra: list[str], ste
             "command": command, "last_line": last_line(root / f"{variant}-s{seed}.log"), "reused": True}
 
 
+def set_aside(run_dir: Path) -> Path | None:
+    """Move a run folder that is in the way (a run interrupted before its summary, or one trained with other
+    settings) and its log to `NAME.interrupted-TIME` / `NAME.superseded-TIME`, so the run can start again
+    from step 0 (`sao train` refuses an existing folder, and a resumed run's wall-clock would include the
+    gap). Nothing is deleted. Returns the new folder, or None when nothing was in the way."""
+    if not run_dir.exists():
+        return None
+    kind = "superseded" if (run_dir / "summary.json").is_file() else "interrupted"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = run_dir.with_name(f"{run_dir.name}.{kind}-{stamp}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = run_dir.with_name(f"{run_dir.name}.{kind}-{stamp}-{n}")
+    run_dir.rename(aside)
+    log_file = run_dir.with_name(run_dir.name + ".log")
+    if log_file.is_file():
+        log_file.rename(aside.with_name(aside.name + ".log"))
+    return aside
+
+
 def _record(root: Path, info: dict) -> None:
     path = root / "bench.json"
     try:
@@ -123,6 +144,10 @@ def bench(name: str, quick: bool = False, out: str | None = None, runs_root: str
             log(f"[{i}/{len(jobs)}] {variant} seed {seed}: not finished in {root}, left out (--finished-only)")
             continue
         else:
+            aside = set_aside(root / f"{variant}-s{seed}")
+            if aside is not None:
+                log(f"[{i}/{len(jobs)}] {variant} seed {seed}: unfinished or other settings in {root}, "
+                    f"moved to {aside.name} and run again from the start")
             info = run_variant(exp, variant, seed, root, extra, steps[variant], f"[{i}/{len(jobs)}]", log)
             _record(root, info)
             state = "ok" if info["returncode"] == 0 else f"exit {info['returncode']}: {info['last_line']}"
@@ -134,4 +159,8 @@ def bench(name: str, quick: bool = False, out: str | None = None, runs_root: str
     plot(res, runs, out_dir / "curves.png")
     log(markdown(res))
     log(f"bench {exp.name} ({preset}) done in {time.time() - t0:.0f}s: {out_dir}/results.json, results.md, curves.png")
+    failed = failed_runs(res)
+    if failed:
+        log(f"{len(failed)} of {len(res['runs'])} runs failed: " + "; ".join(
+            f"{r['variant']} seed {r['seed']} (exit {r['returncode']}, log {Path(r['run_dir']).name}.log)" for r in failed))
     return res
