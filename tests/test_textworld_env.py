@@ -60,6 +60,26 @@ def test_generation_is_deterministic_for_a_seed_and_cached(tmp_path):
     assert other != a and not list(tmp_path.glob("a/*.partial-*"))  # other settings, another entry; no leftovers
 
 
+def test_games_are_the_same_in_every_process(tmp_path):
+    """Reproduction: two cold runs of `sao bench horizon` with the same seeds wrote different games.json (and
+    so different SFT demos and observations): the states' facts came out of TextWorld's sets in an order that
+    follows PYTHONHASHSEED. Each process here has its own hash seed; the files and observations must agree."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from sao.envs.textworld_env import TextWorldOptions; "
+              "from sao.envs.textworld_games import prepare_games; "
+              f"prepare_games(TextWorldOptions(**{SMALL!r}, cache_dir=sys.argv[1]))")
+    for name, hash_seed in (("x", "1"), ("y", "2")):
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], check=True, timeout=300,
+                       env={**os.environ, "PYTHONHASHSEED": hash_seed})
+    x, y = (next(p for p in (tmp_path / n).glob("textworld-*") if p.is_dir()) for n in "xy")
+    assert (x / "games.json").read_bytes() == (y / "games.json").read_bytes()
+    options = TextWorldOptions(**SMALL)
+    for rx, ry in zip(load_records(x), load_records(y)):
+        assert [render(s, options) for s in rx.states] == [render(s, options) for s in ry.states]
+
+
 def test_train_and_heldout_never_share_a_game(tmp_path):
     # held-out seeds that overlap the training seeds generate training games again: those must be skipped
     env = _env(tmp_path, num_train_games=4, num_heldout_games=3, heldout_seed=2)

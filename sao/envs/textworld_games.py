@@ -43,7 +43,7 @@ from typing import Any
 
 from sao.envs.dataset import option_error
 
-GAMES_FORMAT = 1  # bump when generation or the reward sub-quests change
+GAMES_FORMAT = 2  # bump when generation or the reward sub-quests change (2: facts in sorted order)
 # textworld's loading and game logic share module-level state that is not thread-safe (concurrent
 # loads failed with "pop from empty list"); the agent loop runs plain env steps in threads, so every
 # call into textworld holds this lock (a step takes ~2 ms).
@@ -126,8 +126,12 @@ def new_play(path: str, loaded=None):
 
 
 def facts_of(state) -> list[list]:
-    """A state's facts as plain data: [predicate, [argument names], [argument types]]."""
-    return [[f.name, [str(v.name) for v in f.arguments], [str(v.type) for v in f.arguments]] for f in state["facts"]]
+    """A state's facts as plain data: [predicate, [argument names], [argument types]], sorted. TextWorld
+    keeps them in a set, whose order follows the process's string-hash seed: unsorted, the same game
+    listed its objects and exits in another order in every process (so cached demos, the SFT model and
+    live observations differed between runs of one seed)."""
+    return sorted([f.name, [str(v.name) for v in f.arguments], [str(v.type) for v in f.arguments]]
+                  for f in state["facts"])
 
 
 def walkthrough_states(path: str) -> list[list]:

@@ -40,7 +40,7 @@ from sao.runtime.run_dir import fsync_tree, write_failure
 from sao.runtime.threads import ThreadPlan, spinning_env
 from sao.trainer.sft import Example, sft_train
 
-SFT_FORMAT = 2  # bump when the demo tokenization, SFT recipe or held-out split changes (2: split by data_seed)
+SFT_FORMAT = 3  # bump when the demo tokenization, SFT recipe, held-out split or an env's demos change (2: split by data_seed; 3: textworld facts sorted)
 
 
 def demo_example(codec: ChatCodec, messages: list[dict[str, str]]) -> Example:
