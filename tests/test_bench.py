@@ -159,7 +159,7 @@ def test_wallclock_quick_preset_writes_every_file(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_bench_killed_mid_run_runs_that_run_again_and_keeps_the_partial_one(tmp_path):
-    """Reproduction (issue 23): a bench killed while a run trains left `v-s0/` without a summary, and the
+    """Reproduction: a bench killed while a run trains left `v-s0/` without a summary, and the
     next `sao bench` on the same folder failed that run with "run directory ... exists already"."""
     import os
     import signal
