@@ -50,7 +50,18 @@ SAO_ARMS = {
     "sao_async": ["runtime.mode=async"], "sao_sync": ["runtime.mode=sync"],
     "grpo_async": ["algo.name=grpo", f"algo.group_size={GROUP}", "algo.ppo_minibatches=1", "runtime.mode=async"],
     "grpo_sync": ["algo.name=grpo", f"algo.group_size={GROUP}", "algo.ppo_minibatches=1", "runtime.mode=sync"],
+    # The critic's cost, option by option (SAO async; each changes what SAO computes, none is a default):
+    "sao_async_k1": ["runtime.mode=async", "critic.updates_per_step=1"],
+    "sao_async_warm0": ["runtime.mode=async", "critic.warmup_steps=0"],
+    "sao_async_lora8": ["runtime.mode=async", "critic.lora.r=8"],
+    "sao_async_small_critic": ["runtime.mode=async", "critic.path={small_critic}"],
+    "sao_async_lean": ["runtime.mode=async", "critic.updates_per_step=1", "critic.warmup_steps=0",
+                       "critic.path={small_critic}"],
+    # The rollout worker as a thread of the trainer's process (no second process: memory)
+    "sao_async_thread": ["runtime.mode=async", "runtime.backend=thread"],
 }
+EXTRA_ARMS = [a for a in SAO_ARMS if a not in ARMS]
+SMALL_CRITIC = dict(arch="qwen2", hidden_size=64, num_layers=2, num_heads=2, intermediate_size=192)
 
 
 # ---------------------------------------------------------------- memory of a process tree
@@ -187,7 +198,8 @@ def run_arm(arm: str, seed: int, steps: int, model: Path, runs_root: Path, trl_p
             k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     else:
         sao = Path(sys.executable).with_name("sao")
-        cmd = [str(sao), "train", *SAO_COMMON, *SAO_ARMS[arm], f"model.path={model}", f"train.steps={steps}",
+        overrides = [o.format(small_critic=model.with_name("vs_trl-small-critic")) for o in SAO_ARMS[arm]]
+        cmd = [str(sao), "train", *SAO_COMMON, *overrides, f"model.path={model}", f"train.steps={steps}",
                f"train.seed={seed}", f"output.root={runs_root}", f"output.name={name}"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
@@ -255,9 +267,9 @@ def summarize(runs: list[dict], arms: list[str]) -> dict:
             med["steps_wall_over_trl"] = {"per_seed": ratios, "median": statistics.median(ratios)}
             med["peak_rss_over_trl"] = {"per_seed": mem, "median": statistics.median(mem)}
         out[arm] = med
-    for algo in ("sao", "grpo"):  # async over sync, paired by seed (runtime.mode is the only difference)
-        a, s = f"{algo}_async", f"{algo}_sync"
-        if a in out and s in out:
+    for a in out:  # async over sync, paired by seed (sao_async_*: the options against plain sao --sync)
+        s = a.split("_")[0] + "_sync"
+        if "_async" in a and s in out:
             pairs = [(x, y) for x in runs if x["arm"] == a for y in runs if y["arm"] == s and y["seed"] == x["seed"]]
             out[a]["over_sync"] = {
                 "steps_wall": statistics.median(x["figures"]["steps_wall_s"] / y["figures"]["steps_wall_s"]
@@ -276,7 +288,8 @@ def plot(runs: list[dict], arms: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = dict(zip(ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    tab20 = plt.get_cmap("tab20").colors
+    colors = dict(zip(ARMS + EXTRA_ARMS, tab20[::2] + tab20[1::2]))
     for arm in arms:
         for i, r in enumerate(x for x in runs if x["arm"] == arm):
             curve = r["curve"]
@@ -298,19 +311,22 @@ def plot(runs: list[dict], arms: list[str], path: Path) -> None:
 def print_table(summary: dict) -> None:
     cols = ["steps wall s", "s/step", "compl/s", "final R", "RSS MB", "PSS MB", "USS MB",
             *(f"reach {t}" for t in THRESHOLDS)]
-    print(f"{'arm':<12}" + "".join(f"{c:>14}" for c in cols))
+    print(f"{'arm':<24}" + "".join(f"{c:>14}" for c in cols))
     for arm, m in summary.items():
         reach = [f"{m[f'reach_{t}']['seeds_reached']}/{m[f'reach_{t}']['of']}" for t in THRESHOLDS]
         vals = [m["steps_wall_s"], m["s_per_step"], m["completions_per_s"], m["final_trailing_reward"],
                 m["peak_tree_rss_mb"], m["peak_tree_pss_mb"], m["peak_tree_uss_mb"]]
-        print(f"{arm:<12}" + "".join(f"{v:>14.3f}" for v in vals) + "".join(f"{x:>14}" for x in reach))
+        print(f"{arm:<24}" + "".join(f"{v:>14.3f}" for v in vals) + "".join(f"{x:>14}" for x in reach))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, help="optimizer steps per run (default 200; --quick: 20)")
-    ap.add_argument("--arms", nargs="+", default=ARMS, choices=ARMS)
+    ap.add_argument("--arms", nargs="+", default=ARMS, choices=ARMS + EXTRA_ARMS, help=(
+        f"default: {' '.join(ARMS)}; also: {' '.join(EXTRA_ARMS)} (the critic options: small_critic is a "
+        "0.1M-parameter Qwen2 with the same tokenizer from critic.path, lean is K=1, no warm-up and that critic; "
+        "thread: runtime.backend=thread)"))
     ap.add_argument("--quick", action="store_true", help="a pipeline check: 20 steps, the first seed only")
     ap.add_argument("--omp-wait-policy", choices=["PASSIVE", "ACTIVE"], help=(
         "OMP_WAIT_POLICY for every arm (default: each framework's own; sao sets PASSIVE in async only). "
@@ -343,6 +359,10 @@ def main() -> None:
     model = runs_root / "vs_trl-model"
     if not (model / "config.json").exists():
         build_model(model, seed=0)
+    if any("small_critic" in o for a in ns.arms for o in SAO_ARMS.get(a, [])):
+        small = model.with_name("vs_trl-small-critic")
+        if not (small / "config.json").exists():
+            build_model(small, seed=1, **SMALL_CRITIC)
     runs = []
     for i, seed in enumerate(ns.seeds):
         order = ns.arms[i % len(ns.arms):] + ns.arms[:i % len(ns.arms)]
@@ -363,7 +383,7 @@ def main() -> None:
 def resummarize(out: Path) -> None:
     """Summary, plot and table again from a results.json, over the arms it has runs of."""
     res = json.loads((out / "results.json").read_text())
-    arms = [a for a in ARMS if any(r["arm"] == a for r in res["runs"])]
+    arms = [a for a in ARMS + EXTRA_ARMS if any(r["arm"] == a for r in res["runs"])]
     res["summary"] = summarize(res["runs"], arms)
     (out / "results.json").write_text(json.dumps(res, indent=1))
     plot(res["runs"], arms, out / "curves.png")

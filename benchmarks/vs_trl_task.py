@@ -51,11 +51,12 @@ def reward(text: str, answer: int, eos: bool) -> float:
     return 1.0 if numbers and int(numbers[-1]) == answer else 0.0
 
 
-def build_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """The shared model folder (needs sao: the main venv builds it, both frameworks load it)."""
+def build_model(out_dir: str | Path, seed: int = 0, **sizes) -> Path:
+    """The shared model folder (needs sao: the main venv builds it, both frameworks load it); `sizes`
+    replace `MODEL`'s (vs_trl.py builds a smaller critic with the same tokenizer that way)."""
     from sao.models.tiny import build_tiny_model
 
-    return build_tiny_model(out_dir, seed=seed, **MODEL)
+    return build_tiny_model(out_dir, seed=seed, **{**MODEL, **sizes})
 
 
 try:  # the sao side; the TRL venv has no sao and only needs the functions above
