@@ -127,3 +127,45 @@ def test_failing_user_env_through_the_cli(tmp_path):
     assert json.loads((run / "summary.json").read_text())["extra"]["failed"] == failed[-1]
     for line in (run / "trajectories" / "step_000001.jsonl").read_text().splitlines():
         assert json.loads(line)["status"] in ("ok", "truncated")  # broken episodes are never trained on
+
+
+
+# new_episode raises on the 5th episode a rollout worker opens (a worker process on the local backend;
+# evaluation in the trainer process is not counted)
+BAD_OPEN = '''
+import multiprocessing
+
+from examples.word_env.word_env import WordEnvironment
+
+CALLS = [0]
+
+
+class BadOpen(WordEnvironment):
+    def new_episode(self, ctx):
+        if multiprocessing.current_process().name.startswith("sao-rollout"):
+            CALLS[0] += 1
+            if CALLS[0] == 5:
+                raise RuntimeError("bad open: no episode")
+        return super().new_episode(ctx)
+'''
+
+
+@pytest.mark.slow
+def test_an_env_that_raises_in_new_episode_fails_that_episode_only(tmp_path):
+    """It raised outside the episode's error handling: the worker's slot died with it, the episode never
+    finished (`unfinished_at_exit` at the end) and the worker served on with one slot fewer."""
+    (tmp_path / "bad_open.py").write_text(textwrap.dedent(BAD_OPEN))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sao.cli", "train", *TINY, "env.name=bad_open:BadOpen", "output.name=b", "--quiet"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "b"
+    steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
+    assert steps[-1]["async/failed_episodes_total"] == 1
+    events = [json.loads(line) for line in (run / "audit.jsonl").read_text().splitlines()]
+    failed = [e for e in events if e["event"] == "finished" and e["status"] == "env_error"]
+    assert len(failed) == 1 and failed[0]["id"] == "e0000004"  # the 5th issued episode
+    assert "e0000004" not in {e["id"] for e in events if e["event"] == "unfinished_at_exit"}
+    dropped = [e for e in events if e["event"] == "dropped" and e["id"] == "e0000004"]
+    assert [e["reason"] for e in dropped] == ["env_error"]

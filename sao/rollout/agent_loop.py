@@ -101,6 +101,29 @@ async def _close(env: Env, timeout: float) -> None:
         pass
 
 
+class _Unopened:
+    """An episode whose environment raised in `new_episode`: `reset` raises that error again, so
+    `run_episode` ends it as any other environment error (status `env_error`, message kept)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def reset(self, task: Task):
+        raise self.error
+
+    def step(self, action: str):  # never reached: reset raises
+        raise self.error
+
+
+def open_episode(environment, ctx) -> Env:
+    """`environment.new_episode(ctx)`; an exception there ends only that episode, as in reset and step
+    (outside the episode it killed the slot that called it, and the episode was never finished)."""
+    try:
+        return environment.new_episode(ctx)
+    except Exception as exc:
+        return _Unopened(exc)
+
+
 async def run_episode(env: Env, task: Task, engine: Engine, codec: ChatCodec, params: SamplingParams,
                       limits: EpisodeLimits, traj_id: str | None = None) -> Trajectory:
     if getattr(env, "drives_itself", False):  # env.name=agent: the user's agent owns the loop

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from sao.engine.base import Engine
 from sao.envs.base import EpisodeContext
 from sao.models.chat import ChatCodec
-from sao.rollout.agent_loop import EpisodeLimits, run_episode
+from sao.rollout.agent_loop import EpisodeLimits, open_episode, run_episode
 from sao.types import Assignment, SamplingParams, Trajectory
 
 STOP = None  # put into the inbox once per slot to end the worker
@@ -38,10 +38,17 @@ async def run_rollout_worker(
             if item is STOP:
                 return
             ctx = EpisodeContext(policy_version=engine.version, trainer_version=item.trainer_step)
-            traj = await run_episode(environment.new_episode(ctx), item.task, engine, codec, params, limits,
+            traj = await run_episode(open_episode(environment, ctx), item.task, engine, codec, params, limits,
                                      traj_id=item.id)
             done[0] += 1
             emit(traj)
 
-    await asyncio.gather(*(slot() for _ in range(concurrency)))
+    slots = [asyncio.create_task(slot()) for _ in range(concurrency)]
+    try:
+        await asyncio.gather(*slots)
+    except BaseException:  # one slot died: end the others too, so the worker stops as a whole (the backend
+        for s in slots:     # restarts it and the trainer issues its unfinished episodes again), rather than
+            s.cancel()      # serving on with fewer slots and never finishing the dead slot's episode
+        await asyncio.gather(*slots, return_exceptions=True)
+        raise
     return done[0]

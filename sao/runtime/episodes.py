@@ -14,7 +14,7 @@ import asyncio
 import torch
 
 from sao.config import Config
-from sao.rollout.agent_loop import EpisodeLimits, run_episode
+from sao.rollout.agent_loop import EpisodeLimits, open_episode, run_episode
 from sao.runtime.queue import TrajectoryQueue
 from sao.types import SamplingParams, Trajectory
 
@@ -59,7 +59,7 @@ def generate_batch(engine, environment, codec, tasks, limits, n: int, params: Sa
     async def go():
         try:
             return await asyncio.gather(*(
-                run_episode(environment.new_episode(EpisodeContext(engine.version, trainer_step)),
+                run_episode(open_episode(environment, EpisodeContext(engine.version, trainer_step)),
                             next(tasks), engine, codec, params, limits) for _ in range(n)))
         finally:
             await engine.close()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from sao.engine.torch_engine import TorchEngine
 from sao.envs.base import EpisodeContext
 from sao.models.chat import ChatCodec
-from sao.rollout.agent_loop import EpisodeLimits, run_episode
+from sao.rollout.agent_loop import EpisodeLimits, open_episode, run_episode
 from sao.types import SamplingParams, Status, Task, Trajectory
 
 
@@ -25,7 +25,7 @@ class EvalResult:
 
 async def _evaluate(engine, environment, codec, tasks, limits, params, version, step) -> list[Trajectory]:
     async def one(task: Task) -> Trajectory:
-        env = environment.new_episode(EpisodeContext(policy_version=version, trainer_version=step))
+        env = open_episode(environment, EpisodeContext(policy_version=version, trainer_version=step))
         return await run_episode(env, task, engine, codec, params, limits)
 
     try:
