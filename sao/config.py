@@ -157,8 +157,9 @@ class TrainConfig(Section):
 
 
 class RuntimeConfig(Section):
-    backend: Literal["local", "ray"] = Field("local", description=(
-        "local: worker processes on this machine (shared memory); ray: workers and queue as Ray actors "
+    backend: Literal["local", "thread", "ray"] = Field("local", description=(
+        "local: worker processes on this machine (shared memory); thread: workers as threads of the trainer's "
+        "process (async with the least memory; they share its GIL); ray: workers and queue as Ray actors "
         "(pip install 'sao[ray]')"))
     mode: Literal["async", "sync"] = Field("async", description="async overlap, or sync: generate then train")
     rollout_workers: int = Field(1, ge=1, description="rollout workers, each with its own engine and episode slots")

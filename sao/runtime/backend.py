@@ -55,6 +55,10 @@ def make_backend(cfg: Config, model_path: str, limits) -> Backend:
         from sao.runtime.ray_backend import RayBackend
 
         return RayBackend(specs, cfg.runtime)
+    if cfg.runtime.backend == "thread":
+        from sao.runtime.inprocess import InProcessBackend
+
+        return InProcessBackend(specs)
     from sao.runtime.local import LocalBackend
 
     return LocalBackend(specs)

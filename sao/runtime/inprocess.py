@@ -1,9 +1,16 @@
-"""An in-process backend: rollout workers as threads of the trainer's process.
+"""The `thread` backend: rollout workers as threads of the trainer's process (`runtime.backend=thread`).
 
 The same `WorkerHost` (engine + environment + episode slots) and the same records as the `local` and
-`ray` backends, with no processes: for tests that drive the real async loop (tests/test_pacing.py)
-and for stepping through a run in a debugger. Not for training speed: the workers share the
-trainer's interpreter, its torch thread setting and its global RNG (a host seeds torch on start).
+`ray` backends, with no second process: no fork server, no worker interpreter, no second copy of torch's
+and transformers' import state, so an async run's memory is close to a sync run's (measured in
+docs/performance.md). What it gives up: the workers share the trainer's interpreter, so their Python
+between torch ops waits for the GIL while the trainer's runs (torch kernels release it); a worker that
+crashes the process takes the trainer with it. Also used by tests that drive the real async loop
+(tests/test_pacing.py) and for stepping through a run in a debugger.
+
+Per thread: each worker thread sets its own torch intra-op thread count on start (OpenMP keeps it per
+thread, so the trainer's adaptive count does not change it), and a host is built under a forked global
+RNG, so the trainer's random stream is the one it would have on the `local` backend.
 """
 
 from __future__ import annotations
@@ -11,53 +18,109 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import traceback
 
 import torch
 
 from sao.runtime.weight_sync import SharedWeights
-from sao.runtime.worker_host import WorkerHost, WorkerSpec
-from sao.types import Assignment, Record
+from sao.runtime.worker_host import WorkerHost, WorkerSpec, reseed
+from sao.types import Assignment, Finished, Record, WorkerLost
+
+
+class _Thread:
+    """One worker: its host and the thread serving it; `error` is set when the host raised."""
+
+    def __init__(self, spec: WorkerSpec, weights: SharedWeights, send, finished: list[int]):
+        self.spec, self.error = spec, None
+        threads = torch.get_num_threads()
+        with torch.random.fork_rng():  # WorkerHost seeds torch's global RNGs: keep the trainer's
+            self.host = WorkerHost(spec, weights, self._send)
+        torch.set_num_threads(threads)  # WorkerHost set the calling (trainer) thread's count
+        self.send, self.finished, self.ready = send, finished, threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True, name=f"sao-rollout-{spec.index}")
+        self.thread.start()
+        while not self.ready.wait(0.1):
+            if not self.thread.is_alive():
+                raise RuntimeError(f"rollout worker {spec.index} failed to start: {self.error}")
+
+    def _send(self, record: Record) -> None:
+        self.finished[self.spec.index] += isinstance(record, Finished)
+        self.send(record)
+
+    def _serve(self) -> None:
+        torch.set_num_threads(self.spec.threads)  # this thread's own count (OpenMP keeps it per thread)
+        try:
+            asyncio.run(self.host.run(ready=self.ready.set))
+        except BaseException as e:  # reported by `receive` as WorkerLost, like a dead worker process
+            self.error = "".join(traceback.format_exception_only(type(e), e)).strip()
+
+    def lost(self) -> bool:
+        return not self.thread.is_alive() and self.error is not None
 
 
 class InProcessBackend:
     def __init__(self, specs: list[WorkerSpec]):
         self.specs, self.workers = specs, len(specs)
         self.outbox: queue.SimpleQueue[Record] = queue.SimpleQueue()
-        self.hosts: list[WorkerHost] = []
-        self.threads: list[threading.Thread] = []
+        self._t: list[_Thread] = []
+        self._submitted, self._finished = [0] * self.workers, [0] * self.workers
 
     def start(self, params: list[torch.Tensor], version: int) -> None:
         self.weights = SharedWeights([tuple(p.shape) for p in params])
         self.weights.publish(params, version)
-        for spec in self.specs:
-            host, ready = WorkerHost(spec, self.weights, self.outbox.put), threading.Event()
-            thread = threading.Thread(target=lambda h=host, r=ready: asyncio.run(h.run(ready=r.set)), daemon=True,
-                                      name=f"sao-rollout-{spec.index}")
-            thread.start()
-            ready.wait()
-            self.hosts.append(host)
-            self.threads.append(thread)
+        self._t = [_Thread(spec, self.weights, self.outbox.put, self._finished) for spec in self.specs]
 
     def submit(self, worker: int, items: list[Assignment]) -> None:
-        self.hosts[worker].submit(items)
+        self._submitted[worker] += len(items)
+        try:
+            self._t[worker].host.submit(items)
+        except RuntimeError:  # its event loop has stopped: `receive` reports it, the scheduler issues these again
+            pass
 
     def receive(self, timeout: float) -> list[Record]:
+        out: list[Record] = []
         try:
-            out = [self.outbox.get(timeout=timeout) if timeout > 0 else self.outbox.get_nowait()]
+            out.append(self.outbox.get(timeout=timeout) if timeout > 0 else self.outbox.get_nowait())
         except queue.Empty:
-            return []
+            pass
         while True:
             try:
                 out.append(self.outbox.get_nowait())
             except queue.Empty:
-                return out
+                break
+        for i, t in enumerate(self._t):
+            if t.lost():
+                out.append(self._restart(i))
+        return out
+
+    def in_flight(self) -> int:
+        """Episodes submitted to the workers and not finished yet (sao/runtime/threads.py)."""
+        return sum(s - f for s, f in zip(self._submitted, self._finished))
+
+    def _restart(self, i: int) -> WorkerLost:
+        error = self._t[i].error
+        self._submitted[i] = self._finished[i] = 0  # its episodes are issued again (sao/runtime/scheduler.py)
+        self.specs[i] = reseed(self.specs[i])
+        self._t[i] = _Thread(self.specs[i], self.weights, self.outbox.put, self._finished)
+        return WorkerLost(i, f"rollout worker {i} (a thread) stopped with {error}; restarted")
 
     def publish(self, params: list[torch.Tensor], version: int) -> float:
         return self.weights.publish(params, version)
 
     def stop(self) -> None:
-        for host, spec in zip(self.hosts, self.specs):
-            host.submit([None] * spec.concurrency)  # one STOP per slot
-        for thread in self.threads:
-            thread.join(timeout=30)
-        self.hosts, self.threads = [], []
+        """End every worker thread now, episodes in flight included (as `local` kills its processes: the
+        trainer re-issues unfinished work on resume); idempotent."""
+        for t in self._t:
+            if t.thread.is_alive():
+                try:
+                    t.host.loop.call_soon_threadsafe(_cancel_all, t.host.loop)
+                except RuntimeError:  # its loop has closed already
+                    pass
+        for t in self._t:
+            t.thread.join(timeout=30)
+        self._t = []
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()

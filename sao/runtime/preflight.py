@@ -36,8 +36,8 @@ def check_runtime(cfg: Config) -> None:
     if r.rollout_only and r.mode != "async":
         raise ConfigError("runtime.rollout_only measures the async rollout side alone; it needs runtime.mode=async "
                           "(sync's generation time is perf/gen_total_s of any sync run)")
-    if r.backend == "local" and r.ray_address:
-        raise ConfigError("runtime.ray_address is set but runtime.backend=local; set runtime.backend=ray")
+    if r.backend != "ray" and r.ray_address:
+        raise ConfigError(f"runtime.ray_address is set but runtime.backend={r.backend}; set runtime.backend=ray")
     if r.backend == "ray":
         import importlib.util
 
