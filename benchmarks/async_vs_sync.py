@@ -3,8 +3,9 @@
     python benchmarks/async_vs_sync.py [--steps 60] [--reps 3] [--variants after before] [key=value ...]
 
 For each variant and repetition, `sao train` runs once in `runtime.mode=sync` and once in
-`runtime.mode=async` with the same config and seed (repetition r uses train.seed=r), the order
-alternating between repetitions (so a drift in machine load hits both modes alike). The runs double
+`runtime.mode=async` (each a process of its own, so each mode runs at its best: OpenMP threads spin in
+sync and sleep when idle in async, sao/runtime/threads.py) with the same config and seed (repetition r
+uses train.seed=r), the order alternating between repetitions (so a drift in machine load hits both modes alike). The runs double
 as a stability check on the default task (final reward, entropy, truncated fraction, lag, held-out
 accuracy per seed). Variants:
   after   the defaults (packed passes, adaptive trainer threads)
@@ -22,14 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from sao.config import load_config
-from sao.runtime.progress import RunProgress
-from sao.runtime.train import train
+from sao.runtime.threads import wait_policy
 
 VARIANTS = {"after": [], "before": ["train.pack=false", "runtime.adaptive_threads=false", "runtime.issue_ahead=2"]}
 
@@ -114,11 +116,18 @@ def main() -> None:
         for variant in ns.variants:
             for mode in ("sync", "async") if rep % 2 == 0 else ("async", "sync"):
                 name = f"{variant}-{mode}-r{rep}-{stamp}"
-                cfg = load_config(None, [*common, *VARIANTS[variant], f"runtime.mode={mode}", f"output.name={name}",
-                                         f"train.seed={rep}"])
-                res = train(cfg, RunProgress(enabled=sys.stderr.isatty()))
-                row = {"variant": variant, "mode": mode, "rep": rep, "run_dir": res.run_dir,
-                       "heldout_accuracy": res.accuracy_after, **loop_stats(res.run_dir)}
+                overrides = [*common, *VARIANTS[variant], f"runtime.mode={mode}", f"output.name={name}",
+                             f"train.seed={rep}"]
+                cfg = load_config(None, overrides)  # a bad override fails here, before any run
+                # each run is its own `sao train` process, as a user runs it: the OpenMP wait policy is read
+                # once, when torch loads, and each mode gets its own (sao/runtime/threads.py)
+                subprocess.run([sys.executable, "-m", "sao.cli", "train", *overrides,
+                                *([] if sys.stderr.isatty() else ["--quiet"])], check=True)
+                run_dir = str(Path(cfg.output.root) / name)
+                res = json.loads((Path(run_dir) / "summary.json").read_text())
+                row = {"variant": variant, "mode": mode, "rep": rep, "run_dir": run_dir,
+                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or wait_policy(mode) or "default (spinning)",
+                       "heldout_accuracy": res["accuracy_after"], **loop_stats(run_dir)}
                 runs.append(row)
                 print(json.dumps(row), flush=True)
     summary = summarize(runs, ns.variants, ns.reps, {"steps": ns.steps, "reps": ns.reps, "config_overrides": common})
