@@ -40,7 +40,9 @@ from sao.runtime.run_dir import fsync_tree, write_failure
 from sao.runtime.threads import ThreadPlan, spinning_env
 from sao.trainer.sft import Example, sft_train
 
-SFT_FORMAT = 3  # bump when the demo tokenization, SFT recipe, held-out split or an env's demos change (2: split by data_seed; 3: textworld facts sorted)
+# bump when the demo tokenization, SFT recipe, held-out split or an env's demos change
+# (2: split by data_seed; 3: textworld facts sorted)
+SFT_FORMAT = 3
 
 
 def demo_example(codec: ChatCodec, messages: list[dict[str, str]]) -> Example:
