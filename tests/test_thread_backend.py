@@ -101,3 +101,35 @@ def test_a_crashed_worker_thread_is_restarted_and_its_episodes_run_again(tmp_pat
     settled = {e["id"] for k in ("trained", "dropped", "unfinished_at_exit", "queued_at_exit")
                for e in events.get(k, [])}
     assert {e["id"] for e in events["issued"]} <= settled
+
+
+# An environment that cannot be built in a rollout worker (the trainer builds it with train.seed, the
+# workers with train.seed + 1 + 1000 * index): every start fails.
+WORKER_FAILS = '''
+from examples.word_env.word_env import WordEnvironment
+
+
+class WorkerSeedsFail(WordEnvironment):
+    def __init__(self, options, seed=0):
+        if seed % 1000:
+            raise RuntimeError("no dictionary file in this worker")
+        super().__init__(options, seed=seed)
+'''
+
+
+@pytest.mark.parametrize("backend", ["local", "thread"])
+def test_a_worker_that_cannot_start_stops_the_run_in_one_line(tmp_path, backend):
+    """On the thread backend the host's error escaped from the backend as a traceback; now both backends
+    go through the scheduler's crash-loop rule (the thread's line also says why)."""
+    (tmp_path / "worker_fails.py").write_text(textwrap.dedent(WORKER_FAILS))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *BASE, f"runtime.backend={backend}",
+                           "env.name=worker_fails:WorkerSeedsFail", "output.name=f", "--quiet"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("sao: error: rollout worker 0 died 3 times in a row before reporting anything"), last
+    if backend == "thread":
+        assert "RuntimeError: no dictionary file in this worker" in last
+        assert "Traceback" not in proc.stderr  # nothing else runs in a worker thread's own process
+    assert (tmp_path / "runs" / "f" / "config.yaml").exists()  # the run directory is kept

@@ -28,20 +28,29 @@ from sao.types import Assignment, Finished, Record, WorkerLost
 
 
 class _Thread:
-    """One worker: its host and the thread serving it; `error` is set when the host raised."""
+    """One worker: its host and the thread serving it. `error` is set when the host could not be built or
+    its thread ended with an exception: `receive` then reports the worker lost, as a dead worker process,
+    and the scheduler's crash-loop rule applies to both (sao/runtime/scheduler.py)."""
 
     def __init__(self, spec: WorkerSpec, weights: SharedWeights, send, finished: list[int]):
-        self.spec, self.error = spec, None
+        self.spec, self.send, self.finished = spec, send, finished
+        self.error: str | None = None
+        self.host: WorkerHost | None = None
+        self.thread: threading.Thread | None = None
         threads = torch.get_num_threads()
-        with torch.random.fork_rng():  # WorkerHost seeds torch's global RNGs: keep the trainer's
-            self.host = WorkerHost(spec, weights, self._send)
-        torch.set_num_threads(threads)  # WorkerHost set the calling (trainer) thread's count
-        self.send, self.finished, self.ready = send, finished, threading.Event()
+        try:
+            with torch.random.fork_rng():  # WorkerHost seeds torch's global RNGs: keep the trainer's
+                self.host = WorkerHost(spec, weights, self._send)
+        except Exception as e:
+            self.error = _describe(e)
+            return
+        finally:
+            torch.set_num_threads(threads)  # WorkerHost set the calling (trainer) thread's count
+        self.ready = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True, name=f"sao-rollout-{spec.index}")
         self.thread.start()
-        while not self.ready.wait(0.1):
-            if not self.thread.is_alive():
-                raise RuntimeError(f"rollout worker {spec.index} failed to start: {self.error}")
+        while not self.ready.wait(0.1) and self.thread.is_alive():
+            pass
 
     def _send(self, record: Record) -> None:
         self.finished[self.spec.index] += isinstance(record, Finished)
@@ -52,10 +61,17 @@ class _Thread:
         try:
             asyncio.run(self.host.run(ready=self.ready.set))
         except BaseException as e:  # reported by `receive` as WorkerLost, like a dead worker process
-            self.error = "".join(traceback.format_exception_only(type(e), e)).strip()
+            self.error = _describe(e)
+
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
 
     def lost(self) -> bool:
-        return not self.thread.is_alive() and self.error is not None
+        return self.error is not None and not self.alive()
+
+
+def _describe(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
 
 
 class InProcessBackend:
@@ -72,10 +88,12 @@ class InProcessBackend:
 
     def submit(self, worker: int, items: list[Assignment]) -> None:
         self._submitted[worker] += len(items)
+        t = self._t[worker]
         try:
-            self._t[worker].host.submit(items)
-        except RuntimeError:  # its event loop has stopped: `receive` reports it, the scheduler issues these again
-            pass
+            if t.alive():
+                t.host.submit(items)
+        except RuntimeError:  # its event loop has stopped
+            pass  # either way `receive` reports it lost and the scheduler issues these again
 
     def receive(self, timeout: float) -> list[Record]:
         out: list[Record] = []
@@ -111,13 +129,14 @@ class InProcessBackend:
         """End every worker thread now, episodes in flight included (as `local` kills its processes: the
         trainer re-issues unfinished work on resume); idempotent."""
         for t in self._t:
-            if t.thread.is_alive():
+            if t.alive():
                 try:
                     t.host.loop.call_soon_threadsafe(_cancel_all, t.host.loop)
                 except RuntimeError:  # its loop has closed already
                     pass
         for t in self._t:
-            t.thread.join(timeout=30)
+            if t.thread is not None:
+                t.thread.join(timeout=30)
         self._t = []
 
 
