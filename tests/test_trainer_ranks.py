@@ -45,6 +45,20 @@ def test_two_ranks_train_checkpoint_and_resume_on_one(tmp_path):
     assert state["actor_opt"]["state"][0]["step"] == state["actor_version"] == 5  # Adam's state restored, not new
 
 
+def test_ranks_survive_batches_slower_than_the_collective_timeout(tmp_path):
+    """Followers wait for rank 0's next command outside any collective: every environment step takes 3 s,
+    so rank 0 is away far longer than trainer.timeout_s=1 before the parity gate and between steps (on
+    the old code the followers died in the gate's broadcast and the run ended with a gloo traceback)."""
+    args = [*TINY, "trainer.ranks=2", "trainer.timeout_s=1", "env.options.step_latency_s=3",
+            "env.options.step_latency_sigma=0", "train.steps=2", "output.name=idle"]
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *args, "--quiet"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in _rows(tmp_path / "runs" / "idle") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_killed_rank_stops_the_run_in_one_line_and_resume_loses_nothing(tmp_path):
     run = tmp_path / "runs" / "k"
     proc = _popen([*TINY, "trainer.ranks=2", "train.steps=12", "output.save_every=2", "output.name=k"], tmp_path)

@@ -49,14 +49,21 @@ from sao.trainer.reduce import DistReducer
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
+STARTUP_S = 300.0  # the rendezvous: ranks start (spawn, imports, Ray placement) at their own pace
+
+
 def init_ranks(rank: int, world: int, port: int, timeout_s: float = 600.0, host: str = "127.0.0.1",
-               backend: str | None = None) -> str:
+               backend: str | None = None, startup_s: float = STARTUP_S) -> str:
     """Join the process group of `world` trainer ranks (rank 0 listens on host:port); returns the backend.
-    `timeout_s` bounds every collective: a rank that hangs or dies stops the others within it."""
+    `timeout_s` bounds every collective: a rank that hangs or dies in one stops the others within it.
+    Joining is bounded by `startup_s` instead (a process that is still importing torch is not hung), and
+    waiting for the next command is bounded by neither (sao/trainer/ranks.py `follow`)."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
+    store = dist.TCPStore(host, port, world, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=max(startup_s, timeout_s)))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return backend
 

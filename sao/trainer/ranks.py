@@ -5,15 +5,21 @@
     RankDriver.step / export_weights / save / load / load_state_dict
                                               broadcast the command (and the batch) to the followers,
                                               then run it here: every rank runs the same collectives
-    follow(learner)                           a follower's loop: receive a command, run it, until close
+    follow(learner, inbox)                    a follower's loop: receive a command, run it, until close
 
-A follower that dies (or hangs past the collective timeout) fails rank 0's next command with
-`RankFailed` naming the rank; `close()` stops every follower (none is left behind).
+Commands travel over a pipe from rank 0 to each follower, not through a collective: a follower waits for
+the next one as long as rank 0 is away (a batch of long agent episodes, an evaluation, an export), and
+`trainer.timeout_s` bounds the collectives inside a command only. A follower notices a dead rank 0 at
+once (the pipe's end-of-file; the kernel's parent-death signal besides). A follower that dies (or hangs
+in a collective past the timeout) fails rank 0's next command with `RankFailed` naming the rank;
+`close()` stops every follower (none is left behind).
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import torch.distributed as dist
 
@@ -30,12 +36,14 @@ COMMANDS: dict[str, Callable] = {
 }
 
 
-def follow(learner) -> None:
-    """Run rank 0's commands on this rank until it sends "close"."""
+def follow(learner, inbox: Connection) -> None:
+    """Run rank 0's commands on this rank until it sends "close" (or is gone: end of file on the pipe).
+    The wait for a command has no timeout; the command's collectives have trainer.timeout_s."""
     while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        name, args = box[0]
+        try:
+            name, args = pickle.loads(inbox.recv_bytes())
+        except EOFError:
+            return
         if name == "close":
             return
         COMMANDS[name](learner, *args)
@@ -57,7 +65,8 @@ def _never_outlive_rank0() -> None:
 LEARNER_ERROR = 3  # a follower's exit code when its learner raised (rank 0 raised the same and reports it)
 
 
-def _follower(rank: int, world: int, port: int, timeout_s: float, build: Callable, args: tuple) -> None:
+def _follower(rank: int, world: int, port: int, timeout_s: float, build: Callable, args: tuple,
+              inbox: Connection) -> None:
     import os
 
     from sao.trainer.distributed import init_ranks
@@ -65,7 +74,7 @@ def _follower(rank: int, world: int, port: int, timeout_s: float, build: Callabl
     _never_outlive_rank0()
     init_ranks(rank, world, port, timeout_s)
     try:
-        follow(build(*args))
+        follow(build(*args), inbox)
     except Exception:  # the math is global: rank 0 raised it too and says it once, without N tracebacks
         os._exit(LEARNER_ERROR)
     dist.destroy_process_group()
@@ -79,8 +88,9 @@ class RankDriver:
     (merged, for LoRA) weights, which `sao eval`, the engines and AutoModelForCausalLM load. `state_dict`
     holds only what says so: the optimizer states are in the shards."""
 
-    def __init__(self, learner, followers: list, model_path=None):
+    def __init__(self, learner, followers: list, model_path=None, outboxes: list[Connection] = ()):
         self.learner, self.followers, self.model_path = learner, followers, model_path
+        self.outboxes = list(outboxes)  # rank 0's ends of the command pipes, one per follower
         self.before_pass = None  # the one-process thread hook (sao/runtime/threads.py) has no use here
 
     @property
@@ -90,7 +100,7 @@ class RankDriver:
     def _call(self, name: str, *args, rank0_only: tuple = ()):
         """Run command `name` on every rank; `rank0_only` arguments are not sent (the command shares them)."""
         try:
-            dist.broadcast_object_list([(name, args)], src=0)
+            self._send(name, args)
             return COMMANDS[name](self.learner, *args, *rank0_only)
         except Exception as e:
             dead = self._dead()
@@ -100,6 +110,12 @@ class RankDriver:
                 raise  # the learner's own error (e.g. NonFiniteError), raised on every rank
             who = ", ".join(f"trainer rank {r} exited with code {c}" for r, c in dead) or f"a collective failed: {e}"
             raise RankFailed(f"{name}: {who}") from None
+
+    def _send(self, name: str, args: tuple) -> None:
+        """The command to every follower (pickled once; a dead follower's pipe raises BrokenPipeError)."""
+        payload = pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for out in self.outboxes:
+            out.send_bytes(payload)
 
     def _dead(self, grace_s: float = 2.0) -> list[tuple[int, int | None]]:
         """(rank, exit code) of the followers that exited. A killed rank's sockets close before its exit
@@ -157,8 +173,14 @@ class RankDriver:
 
     def close(self, abort: bool = False) -> None:
         """Stop the followers (politely, or by SIGKILL after a failure) and leave the process group."""
-        if not abort and dist.is_initialized():
-            dist.broadcast_object_list([("close", ())], src=0)
+        if not abort:
+            try:
+                self._send("close", ())
+            except OSError:  # a follower already gone
+                pass
+        for out in self.outboxes:
+            out.close()  # end of file: a follower still waiting for a command returns
+        self.outboxes = []
         for p in self.followers:
             p.join(timeout=0 if abort else 30)
             if p.is_alive():
@@ -177,9 +199,12 @@ def start_trainer_ranks(world: int, build: Callable, args: tuple, timeout_s: flo
     from sao.trainer.distributed import init_ranks
 
     port, ctx = free_port(), mp.get_context("spawn")
-    followers = [ctx.Process(target=_follower, args=(r, world, port, timeout_s, build, args), daemon=True)
-                 for r in range(1, world)]
+    pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)]  # (follower's end, rank 0's end)
+    followers = [ctx.Process(target=_follower, args=(r, world, port, timeout_s, build, args, pipes[r - 1][0]),
+                             daemon=True) for r in range(1, world)]
     for p in followers:
         p.start()
+    for inbox, _ in pipes:
+        inbox.close()  # the child holds it now: when rank 0 exits, the follower reads end of file
     init_ranks(0, world, port, timeout_s)
-    return RankDriver(build(*args), followers, model_path)
+    return RankDriver(build(*args), followers, model_path, [out for _, out in pipes])
