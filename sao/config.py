@@ -139,6 +139,17 @@ class CriticConfig(Section):
         "causal LM with the actor's tokenizer (a zero value head is added)"))
     lora: LoraSettings = Field(default_factory=LoraSettings, description=(
         "train LoRA adapters (plus the value head) on the critic instead of every weight"))
+    depth: float = Field(1.0, gt=0, le=1, description=(
+        "build the critic from the actor's first ceil(depth x L) of its L decoder layers (at least 1; the others "
+        "are not loaded): each critic pass costs about that share of an actor pass. 1 = the paper's critic, the "
+        "actor's whole architecture. A saved critic (a checkpoint's, or a pretrained one) keeps its depth"))
+    num_layers: int | None = Field(None, ge=1, description=(
+        "the critic's decoder layers as a count, instead of critic.depth (the actor's first N)"))
+    placement: Literal["colocated", "separate"] = Field("colocated", description=(
+        "colocated: the critic trains in the trainer's process, before each actor step (the paper's sequence); "
+        "separate: on its own process, one batch ahead, so its K updates and v2 for batch n+1 overlap the "
+        "actor's step on batch n (same math, lag one more; docs/architecture.md, 'Critic ranks')"))
+    threads: int = Field(1, ge=1, description="critic.placement=separate: torch threads of the critic's process")
 
 
 class TrainConfig(Section):

@@ -73,3 +73,25 @@ def test_critic_starts_at_zero_and_freezes_attention(tiny_model_dir):
 def test_freeze_pattern_that_matches_nothing_is_an_error(tiny_model_dir):
     with pytest.raises(ValueError, match="matches no parameter"):
         freeze_parameters(build_critic(tiny_model_dir), r"attention\.query")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_critic_of_the_actors_first_layers(tmp_path, arch):
+    """critic.num_layers=1 keeps the actor's first decoder layer, weights and all; saved, it reloads as it
+    is (a saved critic keeps its depth whatever num_layers says)."""
+    from sao.models.critic import load_critic
+    from sao.models.tiny import build_tiny_model, load_model
+
+    path = build_tiny_model(tmp_path / arch, hidden_size=32, num_layers=3, num_heads=2, intermediate_size=64,
+                            max_positions=64, seed=0, arch=arch)
+    actor = load_model(path)
+    critic = build_critic(path, num_layers=1)
+    assert len(critic.model.layers) == 1 and critic.config.num_hidden_layers == 1
+    for (name, p), q in zip(critic.model.layers[0].named_parameters(), actor.model.layers[0].parameters()):
+        assert torch.equal(p, q), name
+    assert sum(p.numel() for p in critic.parameters()) < sum(p.numel() for p in build_critic(path).parameters())
+    critic.save_pretrained(tmp_path / "critic")
+    again = load_critic(tmp_path / "critic", num_layers=2)
+    assert len(again.model.layers) == 1
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(critic_values(critic, ids, None), critic_values(again, ids, None))

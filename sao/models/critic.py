@@ -1,4 +1,5 @@
-"""The critic: the actor's architecture with a zero-initialized scalar value head (docs/algorithm.md §5).
+"""The critic: the actor's architecture (its first `critic.depth` share of decoder layers by default) with a
+zero-initialized scalar value head (docs/algorithm.md §5).
 
 Built as a `transformers` token-classification model with one label, so it saves and loads in
 plain HF format (`AutoModelForTokenClassification`). `values[:, t]` is V(s_t), the value of the
@@ -7,6 +8,7 @@ prefix ids[:t] (the state in which token t is chosen): the head's output at posi
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -14,12 +16,28 @@ import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 
-def build_critic(actor_path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False):
+def critic_layers(actor_layers: int, num_layers: int | None = None, depth: float = 1.0) -> int:
+    """How many of the actor's first decoder layers the critic keeps: `num_layers` when given, else
+    ceil(depth x actor_layers), at least 1 (critic.num_layers, critic.depth; docs/algorithm.md §5)."""
+    if num_layers is not None:
+        return min(num_layers, actor_layers)
+    return max(1, min(actor_layers, math.ceil(depth * actor_layers - 1e-9)))
+
+
+def build_critic(actor_path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False,
+                 num_layers: int | None = None, depth: float = 1.0):
     """Critic initialized from the actor checkpoint; value head zeroed so V starts at 0. `meta`: the same
-    model on the meta device, no weight read (a trainer rank that receives them, docs/architecture.md §8)."""
+    model on the meta device, no weight read (a trainer rank that receives them, docs/architecture.md §8).
+    `num_layers` / `depth`: keep only the first decoder layers (`critic_layers`; the rest of the
+    checkpoint's layers are not loaded): a critic that costs that share of the actor's layers per pass."""
     config = AutoConfig.from_pretrained(str(actor_path))
     config.num_labels = 1
     config.classifier_dropout = 0.0
+    num_layers = critic_layers(config.num_hidden_layers, num_layers, depth)
+    if num_layers < config.num_hidden_layers:
+        config.num_hidden_layers = num_layers
+        if getattr(config, "layer_types", None):  # per-layer attention kinds (Qwen2): the first ones
+            config.layer_types = config.layer_types[:num_layers]
     if meta:
         with torch.device("meta"):
             return AutoModelForTokenClassification.from_config(config, dtype=dtype)
@@ -31,12 +49,13 @@ def build_critic(actor_path: str | Path, dtype: torch.dtype = torch.float32, met
     return critic
 
 
-def load_critic(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False):
-    """A saved critic, or any causal LM folder (e.g. a smaller model with the actor's tokenizer) given a
-    zero value head by build_critic."""
+def load_critic(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False,
+                num_layers: int | None = None, depth: float = 1.0):
+    """A saved critic (as saved: `num_layers` and `depth` apply only to what follows), or any causal LM
+    folder (e.g. a smaller model with the actor's tokenizer) given a zero value head by build_critic."""
     config = AutoConfig.from_pretrained(str(path))
     if not any(a.endswith("ForTokenClassification") for a in (config.architectures or [])):
-        return build_critic(path, dtype, meta)
+        return build_critic(path, dtype, meta, num_layers, depth)
     if meta:
         with torch.device("meta"):
             return AutoModelForTokenClassification.from_config(config, dtype=dtype)

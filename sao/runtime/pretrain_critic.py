@@ -32,7 +32,8 @@ def pretrain_critic(cfg: Config, steps: int, out: Path, progress=None) -> dict:
     actor = load_model(model_path)
     # the critic the run will use: critic.path (e.g. a smaller model) or the policy's own checkpoint,
     # with critic.lora adapters when set (saved as an adapter folder that `sao train critic.path=` takes)
-    critic = load_critic(cfg.critic.path) if cfg.critic.path else build_critic(model_path)
+    depth = {"num_layers": cfg.critic.num_layers, "depth": cfg.critic.depth}
+    critic = load_critic(cfg.critic.path, **depth) if cfg.critic.path else build_critic(model_path, **depth)
     critic = with_lora(critic, cfg.critic.lora, value_head=True)
     if cfg.critic.freeze_attention:
         freeze_parameters(critic, cfg.critic.freeze_pattern)

@@ -59,13 +59,19 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim
 
 
 class Learner:
+    """Actor and critic in this process (critic.placement=colocated), or the actor here and the critic
+    on its own process, `critic_group` (sao/trainer/critic_ranks.py), which runs steps 1-3 of each batch,
+    one batch ahead when the runtime hands it the next batch early (`look_ahead`). A critic rank's own
+    learner has no actor (`actor=None`) and runs only `critic_phase`."""
+
     def __init__(self, actor, critic, algo: Algorithm, algo_cfg: AlgoConfig, critic_cfg: CriticConfig,
-                 train_cfg: TrainConfig, dtype: torch.dtype = torch.float32):
-        self.actor, self.critic, self.algo = actor.train(), critic, algo
+                 train_cfg: TrainConfig, dtype: torch.dtype = torch.float32, critic_group=None):
+        self.actor, self.critic, self.algo = actor.train() if actor is not None else None, critic, algo
+        self.critic_group = critic_group
         # the models' device; bf16 = autocast over the float32 master weights the optimizers update (sao/device.py)
-        self.device, self.dtype = next(actor.parameters()).device, dtype
+        self.device, self.dtype = next((actor if actor is not None else critic).parameters()).device, dtype
         self.algo_cfg, self.critic_cfg, self.train_cfg = algo_cfg, critic_cfg, train_cfg
-        self.actor_opt = adamw(actor, train_cfg.lr, train_cfg.weight_decay)
+        self.actor_opt = adamw(actor, train_cfg.lr, train_cfg.weight_decay) if actor is not None else None
         self.critic_opt = None
         self.critic_updates = algo.critic_updates or critic_cfg.updates_per_step
         self.critic_version = 0  # critic optimizer steps taken so far
@@ -78,7 +84,7 @@ class Learner:
         # called before each model pass: the async loop sets the thread count by what the rollout side
         # is doing (sao/runtime/threads.py); it only reads a counter, never receives. None in sync mode
         self.before_pass: Callable[[], None] | None = None
-        if algo.uses_critic:
+        if algo.uses_critic and critic_group is None:
             if critic is None:
                 raise ValueError(f"algo.name={algo.name} needs a critic")
             critic.train()
@@ -149,6 +155,28 @@ class Learner:
         metrics["critic/lambda_policy_mean"] = float(self.reduce.mean(lam))
         return advantages
 
+    def critic_phase(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float], int]:
+        """Steps 1-3 alone, on a critic rank: (advantages before whitening (B, T) on the CPU, the critic's
+        metrics, updates skipped for a non-finite loss). The same math as inside `step`."""
+        self.skipped_in_step, metrics = 0, {"perf/critic_began_at": time.time()}  # a wall clock both sides share
+        t = time.perf_counter()
+        with autocast(self.device, self.dtype):
+            advantages = self._critic_phase(to_device(batch, self.device), metrics)
+        metrics["perf/critic_phase_s"] = time.perf_counter() - t
+        metrics["perf/critic_ended_at"] = time.time()
+        return advantages.float().cpu(), metrics, self.skipped_in_step
+
+    def _critic_advantages(self, batch: Batch, metrics: dict) -> torch.Tensor:
+        """Steps 1-3 here, or their result from the critic's own process."""
+        if self.critic_group is None:
+            return self._critic_phase(batch, metrics)
+        t = time.perf_counter()
+        advantages, critic_metrics, skipped = self.critic_group.result()
+        metrics["perf/critic_wait_s"] = time.perf_counter() - t  # what of the critic's time was not hidden
+        metrics.update(critic_metrics)
+        self.skipped_in_step += skipped
+        return advantages.to(self.device)
+
     def _baseline_advantages(self, batch: Batch) -> torch.Tensor:
         if self.algo.grouped:
             sizes = {g: batch.group_ids.count(g) for g in batch.group_ids}
@@ -196,7 +224,19 @@ class Learner:
                 f"{self.consecutive_skipped} optimizer steps in a row had a non-finite loss or gradient "
                 f"(train.max_nonfinite_steps={limit}); stopping. Check the rewards, or lower train.lr/critic.lr")
 
+    @property
+    def looks_ahead(self) -> bool:
+        """True when the runtime should hand over the next batch early (`look_ahead`): the critic runs
+        on its own process and can compute it while the actor steps on this one."""
+        return self.critic_group is not None
+
+    def look_ahead(self, batch: Batch) -> None:
+        """Start steps 1-3 on `batch` now; the next `step` calls take the batches in the order given."""
+        self.critic_group.submit(batch)
+
     def step(self, batch: Batch) -> dict[str, float]:
+        if self.critic_group is not None:
+            self.critic_group.expect(batch)  # handed over early, or sent now
         with autocast(self.device, self.dtype):
             return self._step(to_device(batch, self.device))
 
@@ -206,7 +246,7 @@ class Learner:
         self.skipped_in_step = 0
         metrics: dict[str, float] = {"reward/mean": float(self.reduce.mean(batch.scalar_rewards))}
         if self.algo.uses_critic:
-            advantages = self._critic_phase(batch, metrics)
+            advantages = self._critic_advantages(batch, metrics)
         else:
             advantages = self._baseline_advantages(batch)
         metrics["adv/mean_raw"] = float(masked_mean(advantages, mask, self.reduce))
@@ -310,23 +350,35 @@ class Learner:
         with torch.no_grad(), autocast(self.device, self.dtype):
             return sequence_logprobs(self.actor, batch.input_ids, batch.attention_mask)
 
+    def critic_state(self) -> dict:
+        return {"critic_version": self.critic_version,
+                "critic_opt": self.critic_opt.state_dict() if self.critic_opt is not None else None}
+
+    def load_critic_state(self, state: dict) -> None:
+        self.critic_version = state["critic_version"]
+        if self.critic_opt is not None and state["critic_opt"] is not None:
+            self.critic_opt.load_state_dict(state["critic_opt"])
+
     def state_dict(self) -> dict:
-        """Everything a resume needs besides the weights (those travel as HF folders, `save_pretrained`)."""
+        """Everything a resume needs besides the weights (those travel as HF folders, `save_pretrained`).
+        The same whatever critic.placement: a checkpoint resumes colocated or separate."""
+        critic = self.critic_group.state_dict() if self.critic_group is not None else self.critic_state()
         return {
-            "actor_version": self.actor_version, "critic_version": self.critic_version,
+            "actor_version": self.actor_version, **critic,
             "steps_done": self.steps_done, "guard": self.guard_state(),
             "actor_opt": self.actor_opt.state_dict(),
-            "critic_opt": self.critic_opt.state_dict() if self.critic_opt is not None else None,
             "running_mean": self.running_mean.state_dict() if self.running_mean is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.actor_version, self.critic_version = state["actor_version"], state["critic_version"]
-        self.steps_done = state["steps_done"]
+        self.actor_version, self.steps_done = state["actor_version"], state["steps_done"]
         self.load_guard_state(state.get("guard", {}))
         self.actor_opt.load_state_dict(state["actor_opt"])
-        if self.critic_opt is not None and state["critic_opt"] is not None:
-            self.critic_opt.load_state_dict(state["critic_opt"])
+        critic = {"critic_version": state["critic_version"], "critic_opt": state["critic_opt"]}
+        if self.critic_group is not None:
+            self.critic_group.load_state_dict(critic)
+        else:
+            self.load_critic_state(critic)
         if self.running_mean is not None and state["running_mean"]:
             self.running_mean.load_state_dict(state["running_mean"])
 
@@ -342,6 +394,14 @@ class Learner:
         if merged and is_peft(self.actor):
             save_merged_model(self.actor, folder / "actor_merged")
             tokenizer.save_pretrained(folder / "actor_merged")
-        if self.critic is not None:
+        if self.critic_group is not None:
+            self.critic_group.save_pretrained(folder / "critic")
+            tokenizer.save_pretrained(folder / "critic")
+        elif self.critic is not None:
             self.critic.save_pretrained(folder / "critic")
             tokenizer.save_pretrained(folder / "critic")
+
+    def close(self) -> None:
+        """Stop the critic's process, if the critic has one. Idempotent."""
+        if self.critic_group is not None:
+            self.critic_group.close()

@@ -6,6 +6,11 @@
     state_dict() / load_state_dict  optimizer states and counters, for checkpoints (weights travel as
                                     HF folders through save_pretrained)
     version                         the policy version (actor optimizer steps) engines and tokens carry
+    looks_ahead / look_ahead(batch) a trainer whose critic runs on its own process takes the next batch
+                                    early and starts its critic on it (sao/trainer/critic_ranks.py)
+    close()                         stop the processes the trainer started (ranks, a critic); idempotent
+    before_pass                     a hook the async loop may set, called before each model pass in this
+                                    process (sao/runtime/threads.py); None by default
 
 The one-process implementation is `sao.trainer.learner.Learner`; at trainer.ranks > 1 it is
 `sao.trainer.ranks.RankDriver` (rank 0 drives FSDP2 ranks that follow), or with runtime.backend=ray
@@ -15,6 +20,7 @@ a trainer's models or optimizers, so the loop is the same at 1 and N ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -24,6 +30,8 @@ from sao.trainer.batch import Batch
 
 
 class Trainer(Protocol):
+    before_pass: Callable[[], None] | None
+
     @property
     def version(self) -> int: ...
 
@@ -38,3 +46,10 @@ class Trainer(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
     def save_pretrained(self, folder: Path, tokenizer, merged: bool = False) -> None: ...
+
+    @property
+    def looks_ahead(self) -> bool: ...
+
+    def look_ahead(self, batch: Batch) -> None: ...
+
+    def close(self) -> None: ...

@@ -93,9 +93,14 @@ class RankDriver:
         self.outboxes = list(outboxes)  # rank 0's ends of the command pipes, one per follower
         self.before_pass = None  # the one-process thread hook (sao/runtime/threads.py) has no use here
 
+    looks_ahead = False  # the critic trains inside the ranks' step (critic.placement=colocated)
+
     @property
     def version(self) -> int:
         return self.learner.actor_version
+
+    def look_ahead(self, batch) -> None:
+        raise NotImplementedError("trainer ranks take no batch early (critic.placement=colocated)")
 
     def _call(self, name: str, *args, rank0_only: tuple = ()):
         """Run command `name` on every rank; `rank0_only` arguments are not sent (the command shares them)."""

@@ -1,0 +1,264 @@
+"""critic.placement=separate (sao/trainer/critic_ranks.py): the critic on its own process, one batch ahead
+of the actor, gives the same weights and metrics as the colocated schedule on the same batches; its
+checkpoints are the colocated layout (resume across placements); a killed critic process stops the run
+in one line."""
+
+import math
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from sao.algo.registry import get_algorithm
+from sao.config import AlgoConfig, CriticConfig, TrainConfig
+from sao.models.critic import build_critic
+from sao.trainer.batch import collate
+from sao.trainer.critic_ranks import start_critic_rank
+from sao.trainer.launch import RankFailed
+from sao.trainer.learner import Learner
+from sao.types import Trajectory
+
+STEPS = 5
+CRITIC = dict(warmup_steps=2, updates_per_step=2, lr=3e-3)
+
+
+def _batches(codec, model, n: int, seed: int = 0):
+    """`n` fixed batches of 4 two-turn trajectories with varied rewards; behavior log-probs are the starting
+    actor's, so later batches are off-policy (the DIS ratio moves) as in a real run."""
+    from sao.models.actor import sequence_logprobs
+
+    rng = random.Random(seed)
+    out = []
+    for b in range(n):
+        trajs = []
+        for i in range(4):
+            p = codec.prompt_ids([{"role": "user", "content": f"{rng.randint(1, 9)}+{rng.randint(1, 9)}"}])
+            a1 = codec.action_ids(f"<calc>{rng.randint(1, 99)}</calc>")
+            o = codec.action_ids(f"= {rng.randint(1, 99)}")
+            a2 = codec.action_ids(f"<answer>{rng.randint(1, 99)}</answer>")
+            ids = p + a1 + o + a2
+            mask = [0] * len(p) + [1] * len(a1) + [0] * len(o) + [1] * len(a2)
+            with torch.no_grad():
+                lp = sequence_logprobs(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+            trajs.append(Trajectory(f"{b}-{i}", f"task{b}-{i}", ids, mask, [x * m for x, m in zip(lp.tolist(), mask)],
+                                    [0 if m else -1 for m in mask], len(p), reward=float(rng.random() < 0.5), turns=2))
+        out.append(collate(trajs, codec.tokenizer.pad_token_id))
+    return out
+
+
+def _critic(model_dir, seed: int, lora: int):
+    from sao.config import LoraSettings
+    from sao.models.lora import with_lora
+
+    torch.manual_seed(seed)  # the adapters' initialisation: the same on both sides
+    return with_lora(build_critic(model_dir), LoraSettings(r=lora), value_head=True)
+
+
+def separate_critic(model_dir: str, seed: int, lora: int = 0):
+    """The critic process's learner (module-level: it travels to the spawned process by reference)."""
+    return Learner(None, _critic(model_dir, seed, lora), get_algorithm("sao"), AlgoConfig(), CriticConfig(**CRITIC),
+                   TrainConfig(lr=1e-3))
+
+
+def _colocated(actor, model_dir, seed=0, lora=0):
+    return Learner(actor, _critic(model_dir, seed, lora), get_algorithm("sao"), AlgoConfig(), CriticConfig(**CRITIC),
+                   TrainConfig(lr=1e-3))
+
+
+def _separate(actor, model_dir, seed=0, lora=0):
+    group = start_critic_rank(separate_critic, (str(model_dir), seed, lora))
+    return Learner(actor, None, get_algorithm("sao"), AlgoConfig(), CriticConfig(**CRITIC), TrainConfig(lr=1e-3),
+                   critic_group=group)
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-6 * max(1.0, abs(a))
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_one_batch_ahead_gives_the_same_weights_and_metrics(tiny, tiny_model_dir, tmp_path, lora):
+    """fp32, fixed batches: the colocated sequence (v0, K updates, v2, actor, per batch) against the critic
+    on its own process, handed batch n+1 before the actor steps on batch n; a full critic with frozen
+    attention and a LoRA critic. Every metric but timings agrees to 1e-6, and so do actor and critic
+    weights and the critic's optimizer state."""
+    import copy
+
+    model, codec = tiny
+    batches = _batches(codec, model, STEPS)
+    ref_actor, sep_actor = copy.deepcopy(model), copy.deepcopy(model)
+    ref = _colocated(ref_actor, tiny_model_dir, lora=lora)
+    ref_rows = [ref.step(b) for b in batches]
+    sep = _separate(sep_actor, tiny_model_dir, lora=lora)
+    try:
+        sep.look_ahead(batches[0])
+        sep_rows = []
+        for n, b in enumerate(batches):
+            if n + 1 < len(batches):
+                sep.look_ahead(batches[n + 1])  # the critic starts on n+1 while the actor steps on n
+            sep_rows.append(sep.step(b))
+        assert sep.critic_group.pending == []
+        for n, (r, s) in enumerate(zip(ref_rows, sep_rows)):
+            keys = {k for k in r if not k.startswith("perf/")}
+            assert keys == {k for k in s if not k.startswith("perf/")}, n
+            off = {k: (r[k], s[k]) for k in keys if not _same(float(r[k]), float(s[k]))}
+            assert not off, f"step {n}: {off}"
+        assert ref_rows[-1]["train/critic_warmup"] == 0 and sep.actor_version == ref.actor_version == STEPS - 2
+        for a, b in zip(ref_actor.parameters(), sep_actor.parameters()):
+            assert torch.allclose(a, b, atol=1e-6, rtol=0)
+        sep.save_pretrained(tmp_path / "sep", codec.tokenizer)
+        ref.save_pretrained(tmp_path / "ref", codec.tokenizer)
+        from sao.models.critic import load_critic
+        from sao.models.lora import load_lora_critic
+
+        load = (lambda d: load_lora_critic(d, torch.device("cpu"))) if lora else load_critic
+        saved = [dict(load(tmp_path / side / "critic").named_parameters()) for side in ("ref", "sep")]
+        assert saved[0].keys() == saved[1].keys()
+        for name, a in saved[0].items():
+            assert torch.allclose(a, saved[1][name], atol=1e-6, rtol=0), name
+        if lora:
+            assert any("lora_" in name for name in saved[0])
+        rs, ss = ref.state_dict(), sep.state_dict()
+        assert rs["critic_version"] == ss["critic_version"] == 2 * STEPS
+        for k, v in rs["critic_opt"]["state"].items():
+            assert torch.allclose(v["exp_avg"], ss["critic_opt"]["state"][k]["exp_avg"], atol=1e-6, rtol=0)
+    finally:
+        sep.close()
+
+
+def test_state_moves_between_placements(tiny, tiny_model_dir):
+    """A colocated learner's state (critic optimizer and counter) loads into a separate critic and back."""
+    import copy
+
+    model, codec = tiny
+    batches = _batches(codec, model, 3, seed=1)
+    colo = _colocated(copy.deepcopy(model), tiny_model_dir)
+    for b in batches:
+        colo.step(b)
+    state = colo.state_dict()
+    sep = _separate(copy.deepcopy(model), tiny_model_dir)
+    try:
+        sep.load_state_dict(state)
+        back = sep.state_dict()
+        assert back["critic_version"] == state["critic_version"] == 6 and back["steps_done"] == 3
+        for k, v in state["critic_opt"]["state"].items():
+            assert torch.equal(v["exp_avg_sq"], back["critic_opt"]["state"][k]["exp_avg_sq"])
+        sep.look_ahead(batches[0])
+        with pytest.raises(RuntimeError, match="handed over early"):  # a checkpoint never splits a step
+            sep.state_dict()
+        sep.step(batches[0])
+        assert sep.state_dict()["critic_version"] == 8
+    finally:
+        sep.close()
+
+
+def test_a_dead_critic_process_fails_the_step_in_one_line(tiny, tiny_model_dir):
+    import copy
+
+    model, codec = tiny
+    batch = _batches(codec, model, 1)[0]
+    sep = _separate(copy.deepcopy(model), tiny_model_dir)
+    pid = sep.critic_group.process.pid
+    subprocess.run(["kill", "-KILL", str(pid)], check=True)
+    t0 = time.time()
+    with pytest.raises(RankFailed, match=rf"the critic's process \(pid {pid}\) exited with code -9"):
+        sep.step(batch)
+    assert time.time() - t0 < 10 and not sep.critic_group.process.is_alive()
+    sep.close()  # idempotent after the failure
+
+
+@pytest.mark.slow
+def test_sao_train_with_a_separate_critic_checkpoints_and_resumes_colocated(tmp_path):
+    """The real CLI, async: the critic one batch ahead, then --resume of its checkpoint with the critic
+    colocated; the audit shows no episode trained twice or lost."""
+    from conftest import TINY
+    from test_runtime_faults import _rows, audit_of
+
+    run = tmp_path / "runs" / "sep"
+    # rollouts may run 3 batches ahead, so a finished batch usually waits in the queue when a step starts
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *TINY, "critic.placement=separate",
+                           "runtime.max_lag=3", "runtime.issue_ahead=3", "train.steps=5", "output.save_every=2",
+                           "output.name=sep", "--quiet"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in _rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1]["train/actor_version"] == 4
+    assert rows[-1]["critic/version"] == 10  # K=2 updates on each of the 5 batches
+    assert [r["async/critic_ahead"] for r in rows][2::2] == [0, 0]  # none handed over across a checkpoint
+    assert rows[1]["async/critic_ahead"] == 1 or rows[3]["async/critic_ahead"] == 1  # batches were ready early
+    final = run / "checkpoints" / "final"
+    assert (final / "critic" / "config.json").is_file()
+    state = torch.load(final / "trainer_state.pt", weights_only=False)["trainer"]
+    assert state["critic_version"] == 10 and state["critic_opt"]["state"]
+    res = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--resume", str(run), "train.steps=7",
+                          "critic.placement=colocated", "--quiet"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in _rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, 8)) and rows[-1]["critic/version"] == 14
+    audit_of(run)
+
+
+@pytest.mark.slow
+def test_a_killed_critic_process_stops_the_run_in_one_line_and_sigterm_resume_loses_nothing(tmp_path):
+    """The real CLI, async, critic.placement=separate: SIGTERM mid-run (a batch may be in the critic's hands:
+    it is trained first) writes a checkpoint that resumes with no episode lost or trained twice; then the
+    critic's process SIGKILLed: one line naming it, exit 1, nothing left behind."""
+    import signal
+
+    from conftest import TINY
+    from test_runtime_faults import _alive, _children, _popen, _rows, _wait_for_step, _workers, audit_of
+
+    run = tmp_path / "runs" / "c"
+    args = [*TINY, "critic.placement=separate", "train.steps=40", "output.save_every=0", "output.name=c"]
+    proc = _popen(args, tmp_path)
+    _wait_for_step(proc, run, 3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "checkpoint" in err and "Traceback" not in err, err[-3000:]
+    stopped = max(r["step"] for r in _rows(run) if "reward/mean" in r)
+    proc = subprocess.Popen([sys.executable, "-m", "sao.cli", "train", "--resume", str(run), "--quiet"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(proc, run, stopped + 3)
+    critic = [p for p, a in _children(proc.pid) if "multiprocessing.spawn" in a]
+    workers = _workers(proc.pid)
+    assert len(critic) == 1 and workers
+    t0 = time.time()
+    subprocess.run(["kill", "-KILL", str(critic[0])], check=True)
+    _, err = proc.communicate(timeout=120)
+    lines = err.strip().splitlines()
+    assert time.time() - t0 < 30 and proc.returncode == 1, err[-3000:]
+    assert f"the critic's process (pid {critic[0]}) exited with code -9" in lines[-1] and "Traceback" not in err
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(p) for p in workers):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in workers), "a rollout worker outlived the run"
+    res = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--resume", str(run), "--quiet"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)  # from the SIGTERM checkpoint, to the end
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert max(r["step"] for r in _rows(run) if "reward/mean" in r) == 40
+    audit_of(run)  # every issued episode trained, dropped or pending; none trained twice
+
+
+@pytest.mark.slow
+def test_sync_mode_with_a_separate_lora_critic(tmp_path):
+    """--sync takes no batch early (the next batch is generated after the step); a LoRA critic on its own
+    process saves its adapter, which a resume loads back into the critic's process."""
+    from conftest import TINY
+    from test_runtime_faults import _rows
+
+    run = tmp_path / "runs" / "s"
+    base = [sys.executable, "-m", "sao.cli", "train"]
+    proc = subprocess.run([*base, *TINY, "runtime.mode=sync", "critic.placement=separate", "critic.lora.r=4",
+                           "train.steps=3", "output.name=s", "--quiet"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "checkpoints" / "final" / "critic" / "adapter_config.json").is_file()
+    res = subprocess.run([*base, "--resume", str(run), "train.steps=4", "--quiet"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in _rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and "async/critic_ahead" not in rows[-1]
+    assert rows[-1]["critic/version"] == 8
