@@ -3,15 +3,17 @@
     python benchmarks/critic_options.py [--steps 100] [--seeds 0] [--out benchmarks/results/critic_options_calc.json]
 
 Each option is one async `sao train` on the defaults (the cached SFT warm start, `calc`), `--steps`
-optimizer steps, the same seeds; none of them is a default (SAO as the paper has it: K=2, a 10-step
-critic warm-up, a full critic the actor's size):
-  default         the defaults
+optimizer steps, the same seeds:
+  default         the defaults (since critic.depth=0.25: a critic of the actor's first decoder layer of 2)
+  full_critic     critic.depth=1: the paper's critic, the actor's whole architecture (the default before)
   k1              critic.updates_per_step=1
   warm0           critic.warmup_steps=0
   lora8           critic.lora.r=8 (adapters + value head)
   small_critic    critic.path = a 1-layer, 32-wide Llama (14K parameters; the actor: 0.23M) with the same
                   tokenizer, built here (seed 1)
   lean            k1 + warm0 + small_critic
+  layers1         critic.num_layers=1: the critic from the actor's first decoder layer only (of 2)
+  separate        critic.placement=separate: the critic on its own process, one batch ahead
 Per run: held-out accuracy before and after (`eval.num_tasks` tasks), loop wall-clock, mean trainer step
 time, final entropy and reward. The same options on the TRL comparison task, in time to a reward
 threshold: `benchmarks/vs_trl.py --arms trl sao_async_k1 ...` (benchmarks/README.md). Writes `--out` and
@@ -31,9 +33,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(arch="llama", hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64)
 OPTIONS = {
-    "default": [], "k1": ["critic.updates_per_step=1"], "warm0": ["critic.warmup_steps=0"],
+    "default": [], "full_critic": ["critic.depth=1"], "k1": ["critic.updates_per_step=1"], "warm0": ["critic.warmup_steps=0"],
     "lora8": ["critic.lora.r=8"], "small_critic": ["critic.path={small}"],
     "lean": ["critic.updates_per_step=1", "critic.warmup_steps=0", "critic.path={small}"],
+    "layers1": ["critic.num_layers=1"], "separate": ["critic.placement=separate"],
 }
 
 

@@ -5,6 +5,7 @@
 # (e.g. train.steps=100). Nothing else in the project needs a GPU; the torch engine is used (the
 # vLLM server on a GPU machine: add engine.name=vllm engine.python=... engine.weight_transport=ipc).
 #
+# Then the critic on its own process against the colocated critic (benchmarks/critic_overlap.py, one GPU).
 # Then, with two or more GPUs, the trainer on 2 FSDP2 ranks over NCCL (bf16 params, fp32 reduce:
 # sao/trainer/distributed.py) for 5 steps; with one GPU that part is skipped (NCCL needs a GPU per rank).
 #
@@ -38,6 +39,11 @@ print(f"generation: {gen[-1] if gen else float('nan'):.0f} tokens/s (rollout eng
 print(f"training:   {train_tok / max(train_s, 1e-9):.0f} tokens/s ({len(steps)} optimizer steps)")
 print(f"held-out accuracy: {acc[0] if acc else float('nan'):.3f} -> {acc[-1] if acc else float('nan'):.3f}")
 PYEOF
+
+# The critic on its own process, one batch ahead (critic.placement=separate, docs/architecture.md §9), against
+# the colocated sequence, both on this GPU: per-step wall, the share of the critic's time hidden
+"$PY" benchmarks/critic_overlap.py --batches 8 --repeats 3 --out "$ROOT/$NAME-critic-overlap.json" \
+  trainer.device=cuda "$@"
 
 NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 if [ "$NGPU" -ge 2 ]; then

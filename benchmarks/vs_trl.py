@@ -59,6 +59,13 @@ SAO_ARMS = {
                        "critic.path={small_critic}"],
     # The rollout worker as a thread of the trainer's process (no second process: memory)
     "sao_async_thread": ["runtime.mode=async", "runtime.backend=thread"],
+    # The paper's critic: the actor's whole architecture (the default before critic.depth=0.25)
+    "sao_async_full_critic": ["runtime.mode=async", "critic.depth=1"],
+    # A critic of the actor's first decoder layer(s) (of 4), and the critic on its own process, one batch ahead
+    "sao_async_layers1": ["runtime.mode=async", "critic.num_layers=1"],
+    "sao_async_layers2": ["runtime.mode=async", "critic.num_layers=2"],
+    "sao_async_separate": ["runtime.mode=async", "critic.placement=separate"],
+    "sao_async_layers1_separate": ["runtime.mode=async", "critic.num_layers=1", "critic.placement=separate"],
 }
 EXTRA_ARMS = [a for a in SAO_ARMS if a not in ARMS]
 SMALL_CRITIC = dict(arch="qwen2", hidden_size=64, num_layers=2, num_heads=2, intermediate_size=192)

@@ -139,10 +139,11 @@ class CriticConfig(Section):
         "causal LM with the actor's tokenizer (a zero value head is added)"))
     lora: LoraSettings = Field(default_factory=LoraSettings, description=(
         "train LoRA adapters (plus the value head) on the critic instead of every weight"))
-    depth: float = Field(1.0, gt=0, le=1, description=(
+    depth: float = Field(0.25, gt=0, le=1, description=(
         "build the critic from the actor's first ceil(depth x L) of its L decoder layers (at least 1; the others "
         "are not loaded): each critic pass costs about that share of an actor pass. 1 = the paper's critic, the "
-        "actor's whole architecture. A saved critic (a checkpoint's, or a pretrained one) keeps its depth"))
+        "actor's whole architecture; the default 0.25 departs from the paper for speed (docs/algorithm.md §5). "
+        "A saved critic (a checkpoint's, or a pretrained one) keeps its depth"))
     num_layers: int | None = Field(None, ge=1, description=(
         "the critic's decoder layers as a count, instead of critic.depth (the actor's first N)"))
     placement: Literal["colocated", "separate"] = Field("colocated", description=(
