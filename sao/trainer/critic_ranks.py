@@ -30,8 +30,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from sao.trainer.batch import Batch
-from sao.trainer.launch import RankFailed
-from sao.trainer.ranks import _never_outlive_rank0
+from sao.trainer.launch import RankFailed, never_outlive_parent
 
 POLL_S = 0.5  # how often a wait for the critic checks that its process is alive
 
@@ -71,7 +70,7 @@ def _critic_main(conn: Connection, build: Callable, args: tuple, threads: int) -
 
     import torch
 
-    _never_outlive_rank0()
+    never_outlive_parent()
     torch.set_num_threads(threads)
     try:
         learner = build(*args)

@@ -2,7 +2,8 @@
 
 `spawn_ranks(fn, world, *args)` runs `fn(rank, world, port, *args)` in `world` spawned processes
 (rank 0 listens on 127.0.0.1:port; `sao.trainer.distributed.init_ranks` joins it). If one rank
-raises or dies, the others are terminated and the error names the rank.
+raises or dies, the others are terminated and the error names the rank. `never_outlive_parent()` is
+what every spawned trainer process (a follower rank, the critic's process) calls first.
 """
 
 from __future__ import annotations
@@ -35,3 +36,17 @@ def spawn_ranks(fn: Callable, world: int, *args) -> None:
         raise RankFailed(f"trainer rank {e.error_index} exited with code {e.exit_code} "
                          f"(signal {e.signal_name})" if e.signal_name else
                          f"trainer rank {e.error_index} exited with code {e.exit_code}") from None
+
+
+def never_outlive_parent() -> None:
+    """A spawned trainer process (a follower rank, the critic's process) ignores Ctrl-C (its parent
+    checkpoints, then closes it) and dies with its parent: the kernel SIGKILLs it when the parent exits,
+    even by SIGKILL (PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: it still ends at end of file on its command pipe
+        pass

@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 
 import torch.distributed as dist
 
-from sao.trainer.launch import RankFailed, free_port
+from sao.trainer.launch import RankFailed, free_port, never_outlive_parent
 from sao.trainer.sharded_checkpoint import load_one_process, load_sharded, save_sharded
 
 COMMANDS: dict[str, Callable] = {
@@ -49,19 +49,6 @@ def follow(learner, inbox: Connection) -> None:
         COMMANDS[name](learner, *args)
 
 
-def _never_outlive_rank0() -> None:
-    """A follower ignores Ctrl-C (rank 0 checkpoints, then closes it) and dies with rank 0: the kernel
-    SIGKILLs it when its parent, rank 0, exits, even by SIGKILL (PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):  # not Linux: the collective timeout still ends it
-        pass
-
-
 LEARNER_ERROR = 3  # a follower's exit code when its learner raised (rank 0 raised the same and reports it)
 
 
@@ -71,7 +58,7 @@ def _follower(rank: int, world: int, port: int, timeout_s: float, build: Callabl
 
     from sao.trainer.distributed import init_ranks
 
-    _never_outlive_rank0()
+    never_outlive_parent()
     init_ranks(rank, world, port, timeout_s)
     try:
         follow(build(*args), inbox)
