@@ -86,7 +86,10 @@ def worker_main(spec: WorkerSpec, weights: SharedWeights, inbox, outbox, parent_
     def sender() -> None:  # the only writer of `outbox` and of finished[i]; may block on a full pipe
         while True:
             record = pending.get()
-            outbox.send(record)
+            try:
+                outbox.send(record)
+            except OSError:  # the trainer is gone (BrokenPipeError): the watchdog ends this process, quietly
+                return
             finished[spec.index] += isinstance(record, Finished)
 
     threading.Thread(target=sender, daemon=True, name="sao-sender").start()
