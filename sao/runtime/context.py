@@ -35,6 +35,7 @@ from sao.runtime.model_setup import prepare_base_model
 from sao.runtime.pacing import Pacing, batches_ahead
 from sao.runtime.parity import LiveParity
 from sao.runtime.progress import RunProgress
+from sao.runtime.rollout_watch import RolloutWatch
 from sao.runtime.run_dir import RunDir
 from sao.runtime.scheduler import Audit, Scheduler, TaskStream
 from sao.runtime.threads import ThreadPlan
@@ -66,6 +67,7 @@ class RunContext:
     resumed_from: str | None = None  # that checkpoint's actor/ is model_path: never pruned
     _policy: PolicyCopy | None = None
     critic_watch: CriticWatch = field(default_factory=CriticWatch)  # warns once on a critic that explains nothing
+    rollout_watch: RolloutWatch = field(default_factory=RolloutWatch)  # warns once on all-truncated or failing rollouts
     stop_requested: str = ""  # the signal's name once Ctrl-C or SIGTERM arrived (sao/runtime/signals.py)
 
     def state_dict(self) -> dict:

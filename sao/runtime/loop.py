@@ -63,6 +63,8 @@ def finish_step(ctx, step: int, batch: list[Trajectory], version: int, metrics: 
     warning = ctx.critic_watch.update(metrics, cfg.critic.warn_low_ev_steps, step)
     if warning:
         ctx.progress.warn(warning)
+    for warning in ctx.rollout_watch.update(batch, ctx.queue.failed, step):
+        ctx.progress.warn(warning)
     ctx.run.log(step, metrics)
     if step % cfg.output.trajectories_every == 0:
         ctx.run.write_trajectories(step, batch[: cfg.output.trajectories_per_dump], ctx.codec.decode)
