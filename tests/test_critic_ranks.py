@@ -187,7 +187,9 @@ def test_sao_train_with_a_separate_critic_checkpoints_and_resumes_colocated(tmp_
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1]["train/actor_version"] == 4
     assert rows[-1]["critic/version"] == 10  # K=2 updates on each of the 5 batches
     assert [r["async/critic_ahead"] for r in rows][2::2] == [0, 0]  # none handed over across a checkpoint
-    assert rows[1]["async/critic_ahead"] == 1 or rows[3]["async/critic_ahead"] == 1  # batches were ready early
+    # whether a batch is queued early depends on the machine's load (a CI run once had none), so only its
+    # range is checked here; the hand-over itself is pinned by the in-process equivalence tests above
+    assert {r["async/critic_ahead"] for r in rows} <= {0, 1}
     final = run / "checkpoints" / "final"
     assert (final / "critic" / "config.json").is_file()
     state = torch.load(final / "trainer_state.pt", weights_only=False)["trainer"]
