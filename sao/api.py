@@ -137,5 +137,5 @@ def evaluate(target: str | Path, *overrides: str, config: Config | dict | str | 
     codec = ChatCodec(load_tokenizer(model_path))
     res = run_eval(load_model(model_path), codec, environment, environment.eval_tasks(cfg.eval.num_tasks),
                    limits_of(cfg), greedy=cfg.eval.greedy, seed=cfg.train.seed)
-    return {"model": str(model_path), "env": cfg.env.name, "n": res.n, "accuracy": res.accuracy,
+    return {"model": str(model_path), "env": cfg.env.name, "n": res.n, "accuracy": res.accuracy, "failed": res.failed,
             "greedy": cfg.eval.greedy, "statuses": res.statuses, **res.metrics}

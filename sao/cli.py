@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "WriteError":  # sao/runtime/run_dir.py: a file of the run could not be written
             print(f"sao: error: {exc}", file=sys.stderr)
             return IO_ERROR
-        if name not in ("ParityError", "StalledError", "WorkerCrashLoop", "NonFiniteError", "RankFailed"):
+        if name not in ("ParityError", "StalledError", "WorkerCrashLoop", "NonFiniteError", "RankFailed",
+                        "TooManyFailures"):
             raise
         print(f"sao: error: {exc}", file=sys.stderr)
         return 1

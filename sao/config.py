@@ -195,6 +195,12 @@ class RuntimeConfig(Section):
     parity_tol: float = Field(1e-4, gt=0, description="max |engine - trainer| log-prob at step 0")
     receive_timeout_s: float = Field(300.0, gt=0, description=(
         "stop the run with a message when no trajectory arrives for this long"))
+    failure_window: int = Field(100, ge=10, description=(
+        "the last this many finished episodes are watched: when more than half failed (any status but ok / "
+        "truncated) the run warns once (sao/runtime/rollout_watch.py)"))
+    max_failed_frac: float = Field(0.9, gt=0, le=1, description=(
+        "stop the run in one line naming the top reason when more than this fraction of the last "
+        "failure_window finished episodes failed (1 = never stop)"))
     ray_address: str | None = Field(None, description="ray: join this cluster (e.g. 'auto'); empty = start a local one")
     ray_num_cpus: int | None = Field(None, ge=1, description="ray: CPUs of the local cluster (default: all)")
     ray_object_store_mb: int = Field(256, ge=64, description="ray: object store size of the local cluster in MiB")

@@ -309,7 +309,9 @@ def test_bad_agent_input_is_one_line_exit_2(tmp_path, tasks, monkeypatch, capsys
         (["env.options.command=no-such-agent-binary --x"], "env.options.command: 'no-such-agent-binary' is not an executable"),
         (["env.options.agent=test_agent_env:three_calls", "env.options.command=python"], "give exactly one of agent"),
         ([f"env.options.command={sys.executable} -c 'import sys; sys.exit(\"no API key configured\")'"],
-         "env.options.command: exited with 1 before calling the model: no API key configured"),
+         "env.options.command: exited by itself with 1 before calling the model: no API key configured"),
+        ([f"env.options.command={sys.executable} -c 'import time; time.sleep(30)'", "env.options.start_timeout_s=1"],
+         "env.options.command: made no model call within 1s, so sao stopped it (raise env.options.start_timeout_s"),
     ]:
         assert cli.main(["train", "env.name=agent", f"env.options.path={tasks}", *bad]) == 2, bad
         lines = capsys.readouterr().err.strip().splitlines()
@@ -318,6 +320,19 @@ def test_bad_agent_input_is_one_line_exit_2(tmp_path, tasks, monkeypatch, capsys
     # the example agent calls the model at once: it passes the start check (stopped at its first call)
     command = f"{sys.executable} {REPO / 'examples' / 'agent' / 'openai_agent.py'}"
     make_environment("agent", {"path": str(tasks), "command": command}, seed=0).check_start()
+
+
+@pytest.mark.slow
+def test_an_agent_that_prepares_for_over_a_minute_passes_the_start_check(tasks, tmp_path):
+    """A command that prepares 62 s (a clone, a container) before its first call: the start check waits for
+    it (env.options.start_timeout_s, 600 s by default); it used to be killed at 60 s and reported as
+    "exited with -9" as if the agent had died."""
+    agent = tmp_path / "slow_agent.py"
+    agent.write_text("import time, openai\ntime.sleep(62)\n"
+                     "openai.OpenAI(max_retries=0).chat.completions.create(model='sao', messages=[])\n")
+    t0 = time.time()
+    make_environment("agent", {"path": str(tasks), "command": f"{sys.executable} {agent}"}, seed=0).check_start()
+    assert time.time() - t0 > 62
 
 
 TRAIN_AGENT = textwrap.dedent('''
@@ -384,6 +399,38 @@ def test_sao_train_on_an_openai_agent(tiny_model_dir, tasks, tmp_path, mode):
     metrics = train_agent(tmp_path, tasks, tiny_model_dir, [f"runtime.mode={mode}"])
     if mode == "sync":  # no weight swap can land mid-episode (async torch mixes KV versions by design, docs/engines.md)
         assert live_parity(metrics) and max(live_parity(metrics)) <= 1e-4, live_parity(metrics)
+
+
+@pytest.mark.slow
+def test_an_agent_that_exits_1_after_a_call_stops_the_run_in_one_line(tiny_model_dir, tasks, tmp_path):
+    """Every episode's agent calls the model once, then exits 1: the run used to loop for ever (935 failed
+    episodes in 10 minutes, step 1 never ending; failed episodes count as arrivals, so
+    runtime.receive_timeout_s never fired). Past runtime.max_failed_frac of the last runtime.failure_window
+    finished episodes it stops in one line naming the reason, exit code 1, its run directory intact."""
+    agent = tmp_path / "failing_agent.py"
+    agent.write_text("import sys, openai\n"
+                     "openai.OpenAI(max_retries=0).chat.completions.create(model='sao', max_tokens=4, "
+                     "messages=[{'role': 'user', 'content': 'hi'}])\n"
+                     "sys.exit('giving up')\n")
+    args = ["env.name=agent", f"env.options.path={tasks}", f"env.options.command={sys.executable} {agent}",
+            f"model.path={tiny_model_dir}", "train.steps=3", "train.batch_size=4", "rollout.concurrency=4",
+            "rollout.max_action_tokens=8", "eval.num_tasks=4", "runtime.failure_window=12", "output.root=runs",
+            "output.name=failing"]
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *args, "--quiet"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert lines[-1] == ("sao: error: 12 of the last 12 episodes failed (most: env_error: AgentFailed: agent command "
+                         "exited with 1: giving up); stopping (runtime.max_failed_frac=0.9; audit.jsonl names each "
+                         "one's reason)"), proc.stderr[-3000:]
+    assert sum("of the last 12 episodes failed" in line for line in lines) == 1  # stopped at once: no warning first
+    assert any("sao: warning: 4 of 4 held-out episodes failed at step 0 (env_error: AgentFailed: agent command "
+               "exited with 1: giving up x4); eval/accuracy is over the other 0, eval/failed counts them" in line
+               for line in lines), lines
+    assert "Traceback" not in proc.stderr and time.time() - t0 < 300
+    audit = [json.loads(line) for line in (tmp_path / "runs" / "failing" / "audit.jsonl").read_text().splitlines()]
+    assert sum(a.get("status") == "env_error" for a in audit) >= 12
 
 
 VLLM_PYTHON = os.environ.get("SAO_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))

@@ -224,6 +224,74 @@ def test_server_that_hangs_or_dies_ends_the_episode_not_the_worker(tiny, tmp_pat
         stop(proc)
 
 
+ONE_SESSION_APP = """
+from openenv.core.env_server.http_server import create_app
+
+from letters_env.models import LetterAction, LetterObservation
+from letters_env.server.letters_environment import LettersEnvironment
+
+app = create_app(LettersEnvironment, LetterAction, LetterObservation, max_concurrent_envs=1)
+"""
+
+
+class RepeatEngine:
+    """The same reply every turn, after a short think, so episodes overlap."""
+
+    def __init__(self, codec):
+        self.codec, self.version = codec, 0
+
+    async def generate(self, prompt_ids, params, session=None):
+        await asyncio.sleep(0.05)
+        ids = self.codec.action_ids("<action>aeiost</action>")  # 1/6 of the line is any episode's letter
+        return Generation(ids, [-0.5] * len(ids), [0] * len(ids), "stop")
+
+    def release(self, session):
+        pass
+
+
+def test_a_server_with_one_session_serves_8_parallel_episodes_in_turn(tiny, tmp_path):
+    """OpenEnv servers allow one session unless told otherwise: the 2nd..8th episode used to fail at once
+    (6,493 env_errors in 3 steps of a real run). They wait for the free session now, and all 8 finish; a
+    server that stays full past options.session_wait_s fails the episode saying so."""
+    _, codec = tiny
+    (tmp_path / "one_session_app.py").write_text(ONE_SESSION_APP)
+    proc, url = start_server("one_session_app:app", [tmp_path, LETTERS, REPO])
+    try:
+        environment = make_environment("openenv", {"url": url, "action_field": "text"}, seed=0)
+        tasks = [t for t, _ in zip(environment.train_tasks(), range(8))]
+
+        async def run_all():
+            engine = RepeatEngine(codec)
+            return await asyncio.gather(*(run_episode(environment.new_episode(EpisodeContext()), task, engine, codec,
+                                                      SamplingParams(), EpisodeLimits(max_turns=4))
+                                          for task in tasks))
+
+        trajs = asyncio.run(run_all())
+        assert [t.status for t in trajs] == [Status.OK] * 8, [t.status_reason for t in trajs]
+        assert all(t.turns == 2 and t.reward == pytest.approx(1 / 6) for t in trajs)  # whole 2-round episodes
+        assert environment.codec.gate.limit == 1 and environment.codec.gate.held == 0  # learned, all given back
+
+        blocker = make_environment("openenv", {"url": url, "action_field": "text"}, seed=0).new_episode(EpisodeContext())
+        waiting = make_environment("openenv", {"url": url, "action_field": "text", "session_wait_s": 1}, seed=0)
+
+        async def held_open():
+            await blocker.open()  # another client holds the one session
+            try:
+                t0 = time.monotonic()
+                traj = await run_episode(waiting.new_episode(EpisodeContext()), tasks[0], RepeatEngine(codec), codec,
+                                         SamplingParams(), EpisodeLimits(max_turns=4))
+                return traj, time.monotonic() - t0
+            finally:
+                await blocker.close()
+
+        traj, waited = asyncio.run(held_open())
+        assert traj.status == Status.ENV_ERROR and 1 <= waited < 5
+        assert traj.status_reason == ("RuntimeError: no free session on the OpenEnv server for 1s (it allows 1; "
+                                      "env.options.session_wait_s)")
+    finally:
+        stop(proc)
+
+
 def cli(args, cwd, timeout=300, pythonpath=()):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, pythonpath), str(REPO)])}
     return subprocess.run([sys.executable, "-m", "sao.cli", "train", *args, "--quiet"], cwd=cwd, env=env,

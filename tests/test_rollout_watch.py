@@ -1,13 +1,14 @@
 """RolloutWatch (sao/runtime/rollout_watch.py): one warning when every trajectory of 5 steps in a row was
-truncated, one when most episodes of a 10-step window failed; on the real CLI, an action budget too short
-for the environment's format is said once."""
+truncated, one when most of the last finished episodes failed, and a one-line stop past
+runtime.max_failed_frac; on the real CLI, an action budget too short for the environment's format is said
+once."""
 
 import subprocess
 import sys
 
 import pytest
 
-from sao.runtime.rollout_watch import TRUNCATED_STEPS, WINDOW, RolloutWatch
+from sao.runtime.rollout_watch import TRUNCATED_STEPS, RolloutWatch, TooManyFailures
 from sao.types import Status, Trajectory
 
 
@@ -18,28 +19,46 @@ def _traj(status: Status, reason: str = "") -> Trajectory:
 
 
 def test_all_truncated_steps_warn_once():
-    watch = RolloutWatch()
+    said = []
+    watch = RolloutWatch(said.append)
     trunc = [_traj(Status.TRUNCATED, "turn limit")] * 4
     mixed = trunc[:3] + [_traj(Status.OK)]
-    assert watch.update(trunc, {}, 1) == [] and watch.update(mixed, {}, 2) == []  # an ok episode resets the count
-    said = [w for step in range(3, 3 + TRUNCATED_STEPS) for w in watch.update(trunc, {}, step)]
+    watch.trained(trunc, 1)
+    watch.trained(mixed, 2)  # an ok episode resets the count
+    assert said == []
+    for step in range(3, 20):
+        watch.trained(trunc, step)
     assert len(said) == 1 and "every trajectory of the last 5 steps was truncated (turn limit; step 7)" in said[0]
-    assert all(watch.update(trunc, {}, s) == [] for s in range(8, 20))  # once per run
+    assert TRUNCATED_STEPS == 5
 
 
-def test_mostly_failed_window_warns_once_with_the_top_reasons():
-    """Failure counts are the queue's running totals by status; per step 4 trained. Steps 1-10 fail 3 per step
-    (2 env_error + 1 timeout: 30 failed vs 40 trained, no warning); then 6 per step (5 + 1). At step k > 10 the
-    window (steps k-9..k) holds (20-k) x 3 + (k-10) x 6 = 3k failed, first above 40 at k = 14: 42 failed,
-    env_error 6 x 2 + 4 x 5 = 32, timeout 10."""
-    watch = RolloutWatch()
-    ok, totals, said = [_traj(Status.OK)] * 4, {"env_error": 0, "timeout": 0}, []
-    for step in range(1, 21):
-        per_step = 3 if step <= WINDOW else 6
-        totals = {"env_error": totals["env_error"] + per_step - 1, "timeout": totals["timeout"] + 1}
-        said += [(step, w) for w in watch.update(ok, dict(totals), step)]
-    assert len(said) == 1 and said[0][0] == 14
-    assert "42 of 82 episodes that finished in the last 10 steps failed (env_error: 32, timeout: 10; step 14)" in said[0][1]
+def test_mostly_failed_episodes_warn_once_then_stop_in_one_line_with_the_top_reason():
+    """A window of 20 finished episodes: 10 failed of 20 says nothing, 11 warns once, 19 stops (> 0.9 x 20)."""
+    said = []
+    watch = RolloutWatch(said.append, window=20, max_failed_frac=0.9)
+    ok, full = _traj(Status.OK), _traj(Status.ENV_ERROR, "session limit reached\n(the server's traceback)")
+    for t in [ok] * 10 + [full] * 10:
+        watch.finished(t)
+    assert said == []
+    watch.finished(_traj(Status.TIMEOUT, "episode took over 600s"))  # 11 of the last 20
+    assert said == ["sao: warning: 11 of the last 20 episodes failed (env_error: session limit reached x10, "
+                    "timeout: episode took over 600s x1); failed episodes are not trained on, and past "
+                    "runtime.max_failed_frac=0.9 the run stops"]
+    for _ in range(7):
+        watch.finished(full)  # 18 of 20: not above 0.9
+    assert len(said) == 1
+    with pytest.raises(TooManyFailures) as exc:
+        watch.finished(full)
+    assert str(exc.value) == ("19 of the last 20 episodes failed (most: env_error: session limit reached); "
+                              "stopping (runtime.max_failed_frac=0.9; audit.jsonl names each one's reason)")
+
+
+def test_max_failed_frac_1_never_stops():
+    said = []
+    watch = RolloutWatch(said.append, window=10, max_failed_frac=1.0)
+    for _ in range(50):
+        watch.finished(_traj(Status.ENV_ERROR, "down"))
+    assert len(said) == 1
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -45,6 +46,10 @@ class AgentOptions(DatasetOptions):
     reward: str | None = Field(None, description=(
         "`module:func` (task dict, agent result) -> float, run after the episode; default: the result itself"))
     timeout_s: float = Field(300.0, gt=0, description="an episode whose agent runs longer ends with status timeout")
+    start_timeout_s: float = Field(600.0, gt=0, description=(
+        "command agents, before the run: how long the first run of the command (against a stub endpoint) may "
+        "prepare (clone a repository, start a container) before its first model call; sao stops it after that "
+        "and refuses the run"))
     tool_parser: Literal["hermes", "none"] = Field("hermes", description=(
         "how tool calls are read from sampled text: hermes = <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> "
         "blocks (Qwen, Hermes, SmolLM2 templates); none: never"))
@@ -114,12 +119,15 @@ class AgentEnvironment:
                 raise ValueError(f"env.options.command: {argv[0] if argv else ''!r} is not an executable on PATH")
         self.reward_fn = import_path(options.reward, "reward", need_callable=True) if options.reward else None
 
-    def check_start(self, timeout_s: float = 60.0) -> None:
+    def check_start(self) -> None:
         """A command agent is run once on the first training task against a stub endpoint that answers
         every call with HTTP 503: exiting non-zero before any call is a broken command (a ValueError, one
-        line), refused before the run starts instead of failing every episode. Once it calls, it is stopped."""
+        line), refused before the run starts instead of failing every episode. Once it calls, it is stopped;
+        one that makes no call within `start_timeout_s` is stopped by sao and refused, saying so (it used to
+        be killed after 60 s and reported as "exited with -9", as if the agent had died)."""
         if not self.options.command:
             return
+        limit = self.options.start_timeout_s
         task = next(iter(self.split.train))
         with _StubEndpoint() as stub:
             env = {**os.environ, "OPENAI_BASE_URL": stub.base_url, "OPENAI_API_KEY": "sao-preflight",
@@ -127,15 +135,27 @@ class AgentEnvironment:
                                            "meta": task.meta}, default=str)}
             proc = subprocess.Popen(shlex.split(self.options.command), env=env, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, text=True)
-            deadline = time.monotonic() + min(timeout_s, self.options.timeout_s)
-            while proc.poll() is None and not stub.called.is_set() and time.monotonic() < deadline:
+            t0 = time.monotonic()
+            said = False
+            while proc.poll() is None and not stub.called.is_set() and time.monotonic() - t0 < limit:
+                if not said and time.monotonic() - t0 > 10:
+                    said = True
+                    print(f"sao: waiting for the agent command's first model call (it has {limit:g}s: "
+                          "env.options.start_timeout_s)", file=sys.stderr, flush=True)
                 time.sleep(0.02)
-            if proc.poll() is None:
+            stopped = proc.poll() is None  # sao stops it: it called (the check is done) or ran out of time
+            if stopped:
                 proc.kill()
             err = proc.communicate()[1]
-        if proc.returncode and not stub.called.is_set():
-            last = (err.strip().splitlines() or [""])[-1][:200]
-            raise ValueError(f"env.options.command: exited with {proc.returncode} before calling the model: {last}")
+        if stub.called.is_set():
+            return
+        last = (err.strip().splitlines() or [""])[-1][:200]
+        if stopped:
+            raise ValueError(f"env.options.command: made no model call within {limit:g}s, so sao stopped it "
+                             f"(raise env.options.start_timeout_s if it prepares longer){': ' + last if last else ''}")
+        if proc.returncode:
+            raise ValueError(f"env.options.command: exited by itself with {proc.returncode} before calling the "
+                             f"model: {last}")
 
     def train_tasks(self) -> Iterator[Task]:
         return self.split.train_stream(self.seed)

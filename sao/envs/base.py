@@ -45,7 +45,9 @@ class EpisodeContext:
 
 @runtime_checkable
 class Env(Protocol):
-    """One episode. Raise to signal a broken episode: it is recorded as `env_error`."""
+    """One episode. Raise to signal a broken episode: it is recorded as `env_error`. Optional: `open()`
+    (a coroutine awaited before reset and outside rollout.step_timeout_s: waiting for something episodes
+    share, e.g. a server's free session; bounded by the environment) and `close()`."""
 
     def reset(self, task: Task) -> list[Message]: ...
 

@@ -10,10 +10,13 @@ OpenEnv's shape is sao's episode shape: `reset() -> Observation`, `step(Action) 
 Both paths see an Observation the same way: the dict OpenEnv's server sends (its fields without
 `reward`, `done` and `metadata`), plus reward and done. In process (`env_class`) one Environment
 instance serves one episode; by URL (`url`) each episode opens its own WebSocket session through
-OpenEnv's own client. A task is a reset seed. A server that dies gives the episode `env_error`; one
-that stops answering gives `timeout` (the agent loop's `rollout.step_timeout_s`); the episode's
-client is closed either way. An action the Action model rejects is the policy's fault: it is shown
-as an observation (or ends the episode with reward 0, options.invalid_action), never `env_error`.
+OpenEnv's own client: a server at its session limit (OpenEnv allows one session unless the server
+sets `max_concurrent_envs`) answers "full" with its limit, and the episode waits for a free session
+(`SessionGate`, up to options.session_wait_s) instead of failing. A task is a reset seed. A server
+that dies gives the episode `env_error`; one that stops answering gives `timeout` (the agent loop's
+`rollout.step_timeout_s`); the episode's client is closed either way. An action the Action model
+rejects is the policy's fault: it is shown as an observation (or ends the episode with reward 0,
+options.invalid_action), never `env_error`.
 
 `openenv-core` is an optional extra (`pip install 'sao[openenv]'`), imported on first use.
 """
@@ -25,6 +28,8 @@ import contextlib
 import json
 import random
 import re
+import threading
+import time
 import typing
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -68,6 +73,9 @@ class OpenEnvOptions(EnvOptions):
     invalid_action: Literal["observe", "end"] = Field("observe", description=(
         "an action the environment rejects: shown to the model as an error observation, or ends the episode (reward 0)"))
     connect_timeout_s: float = Field(10.0, gt=0, description="url: seconds to wait for the server at start and per session")
+    session_wait_s: float = Field(600.0, gt=0, description=(
+        "url: how long an episode waits for a free session when the server is at its session limit "
+        "(then it fails as env_error)"))
     demo: str | None = Field(None, description=(
         "`module:func` (observation text, random.Random) -> reply text: a scripted policy whose in-process "
         "episodes SFT-warm-start the built-in tiny model (env_class only; with model.path it is not needed)"))
@@ -219,13 +227,79 @@ class LocalEpisode(_Episode):
                 self._one_thread.shutdown(wait=False)
 
 
+class SessionsFull(RuntimeError):
+    """The server refused a session: it holds `max_sessions` already (OpenEnv's CAPACITY_REACHED)."""
+
+    def __init__(self, max_sessions: int | None, message: str) -> None:
+        super().__init__(message)
+        self.max_sessions = max_sessions
+
+
+class SessionGate:
+    """This process's view of one server's sessions. The limit is unknown until the server first answers
+    "full" (its CAPACITY_REACHED reply names max_sessions); from then on episodes wait here, without
+    touching the network, until one of this process's sessions closes. Sessions held by other processes
+    (other rollout workers) show up as more "full" answers, retried with backoff."""
+
+    def __init__(self) -> None:
+        self.limit: int | None = None
+        self.held = 0
+        self._lock = threading.Lock()  # the thread backend runs an event loop per thread on one environment
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.limit is not None and self.held >= self.limit:
+                return False
+            self.held += 1
+            return True
+
+    def give_back(self) -> None:
+        with self._lock:
+            self.held -= 1
+
+    def full(self, max_sessions: int | None) -> None:
+        with self._lock:
+            self.held -= 1
+            if max_sessions:
+                self.limit = max_sessions
+
+
 class ServerEpisode(_Episode):
     """One WebSocket session on a running server, through OpenEnv's own client (async: the session's
-    socket lives on the rollout worker's event loop)."""
+    socket lives on the rollout worker's event loop). `open` (before reset, outside rollout.step_timeout_s)
+    waits for a free session."""
 
     def __init__(self, codec: OpenEnvCodec) -> None:
         super().__init__(codec)
         self.client = codec.new_client()
+        self.holding = False
+
+    async def open(self) -> None:
+        """Connect and ask for the session's state: a session was granted, or the server is full and the
+        episode waits for a free one (up to options.session_wait_s, then `env_error` saying so)."""
+        o, gate = self.codec.options, self.codec.gate
+        t0, delay, limit = time.monotonic(), 0.05, None
+        while True:
+            if gate.take():
+                self.holding = True
+                try:
+                    await asyncio.wait_for(self.client.probe(), o.connect_timeout_s)
+                    return
+                except SessionsFull as exc:
+                    self.holding = False
+                    gate.full(exc.max_sessions)
+                    await self.client.close()
+                    self.client = self.codec.new_client()
+                    limit = exc.max_sessions
+                except BaseException:
+                    self.holding = False
+                    gate.give_back()
+                    raise
+            if time.monotonic() - t0 > o.session_wait_s:
+                raise RuntimeError(f"no free session on the OpenEnv server for {o.session_wait_s:g}s (it allows "
+                                   f"{limit if gate.limit is None else gate.limit}; env.options.session_wait_s)")
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
 
     async def reset(self, task: Task) -> list[Message]:
         return self.first_messages(await self.client.call("reset", {"seed": task.meta["seed"],
@@ -242,7 +316,12 @@ class ServerEpisode(_Episode):
             return self.rejected(str(exc))
 
     async def close(self) -> None:
-        await self.client.close()
+        try:
+            await self.client.close()
+        finally:
+            if self.holding:
+                self.holding = False
+                self.codec.gate.give_back()
 
 
 def session_client(base_url: str, timeout_s: float):
@@ -250,15 +329,32 @@ def session_client(base_url: str, timeout_s: float):
     from openenv.core.generic_client import GenericEnvClient
 
     class SessionClient(GenericEnvClient):
-        async def call(self, kind: str, data: dict) -> dict:
-            await self._send({"type": kind, "data": data})
+        async def call(self, kind: str, data: dict | None) -> dict:
+            await self._send({"type": kind} if data is None else {"type": kind, "data": data})
             reply = await self._receive()
             if reply.get("type") == "error":
                 err = reply.get("data", {})
                 if err.get("code") == "VALIDATION_ERROR":
                     raise InvalidAction(validation_summary(err.get("errors") or []))
+                if err.get("code") == "CAPACITY_REACHED":
+                    raise SessionsFull(err.get("max_sessions"), f"OpenEnv server full: {err.get('message')}"[:500])
                 raise RuntimeError(f"OpenEnv server error {err.get('code')}: {err.get('message')}"[:500])
             return reply.get("data", {})
+
+        async def probe(self) -> None:
+            """Open the session: the server creates it on connect and answers the first message, with
+            CAPACITY_REACHED when full (SessionsFull). A state request costs the environment nothing; an
+            environment with no state before reset answers an error, and the session is still open."""
+            from websockets.exceptions import ConnectionClosed
+
+            try:
+                await self.call("state", None)
+            except SessionsFull:
+                raise
+            except ConnectionClosed as exc:  # closed before our message: a full server's reply may be queued
+                raise SessionsFull(None, f"OpenEnv server closed the session at once ({exc})") from None
+            except (RuntimeError, InvalidAction):  # an execution error: the session exists
+                pass
 
         async def disconnect(self) -> None:
             """Say close, then let the server close the socket first (closing at once makes openenv-core
@@ -298,6 +394,7 @@ class OpenEnvCodec:
         else:
             self.base_url = o.url.rstrip("/")
             check_server(self.base_url, o.connect_timeout_s)
+            self.gate = SessionGate()
 
     def new_client(self):
         return session_client(self.base_url, self.options.connect_timeout_s)

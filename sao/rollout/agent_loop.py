@@ -142,6 +142,8 @@ async def run_episode(env: Env, task: Task, engine: Engine, codec: ChatCodec, pa
         traj.token_versions += versions if versions is not None else [-1] * len(ids)
 
     try:
+        if hasattr(env, "open"):  # waits for a resource the environment shares (a server's free session)
+            await env.open()
         messages = await _call(env.reset, task, timeout=limits.step_timeout_s)
         append(codec.prompt_ids(messages))
         traj.prompt_len = len(traj.token_ids)

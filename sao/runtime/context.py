@@ -67,7 +67,7 @@ class RunContext:
     resumed_from: str | None = None  # that checkpoint's actor/ is model_path: never pruned
     _policy: PolicyCopy | None = None
     critic_watch: CriticWatch = field(default_factory=CriticWatch)  # warns once on a critic that explains nothing
-    rollout_watch: RolloutWatch = field(default_factory=RolloutWatch)  # warns once on all-truncated or failing rollouts
+    rollout_watch: RolloutWatch | None = None  # warns once on all-truncated or failing rollouts; stops on failing ones
     stop_requested: str = ""  # the signal's name once Ctrl-C or SIGTERM arrived (sao/runtime/signals.py)
 
     def state_dict(self) -> dict:
@@ -125,7 +125,7 @@ class RunContext:
         self.trainer.close()
 
     def start_scheduler(self, backend) -> Scheduler:
-        self.scheduler = Scheduler(backend, self.tasks, self.audit, self.pacing)
+        self.scheduler = Scheduler(backend, self.tasks, self.audit, self.pacing, self.rollout_watch)
         self.scheduler.load_state_dict(self.pending)
         return self.scheduler
 
@@ -152,7 +152,8 @@ def build(cfg: Config, environment, progress: RunProgress, resume: Path | None =
                      TaskStream(task_stream(environment, algo, cfg)),
                      Pacing(cfg.train.batch_size, batches_ahead(cfg.runtime), cfg.runtime.sync_every),
                      Audit(run.path / "audit.jsonl") if cfg.runtime.mode == "async" else None,
-                     ThreadPlan(cfg.runtime), LiveParity(cfg), setup=setup)
+                     ThreadPlan(cfg.runtime), LiveParity(cfg), setup=setup,
+                     rollout_watch=RolloutWatch(progress.warn, cfg.runtime.failure_window, cfg.runtime.max_failed_frac))
     if ckpt is not None:
         ctx.resumed_from = ckpt.name
         ctx.load_state_dict(checkpoint.load(ckpt))

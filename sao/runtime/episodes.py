@@ -67,10 +67,11 @@ def generate_batch(engine, environment, codec, tasks, limits, n: int, params: Sa
     return asyncio.run(go())
 
 
-def usable_batch(engine, environment, codec, tasks, limits, n: int, trainer_step: int = 0, queue=None
-                 ) -> tuple[list[Trajectory], int]:
+def usable_batch(engine, environment, codec, tasks, limits, n: int, trainer_step: int = 0, queue=None,
+                 watch=None) -> tuple[list[Trajectory], int]:
     """n trainable episodes (generating more while some fail or are empty) and the number that failed.
-    `queue` (sao/runtime/groups.py make_queue) decides what is usable: whole groups for group algorithms."""
+    `queue` (sao/runtime/groups.py make_queue) decides what is usable: whole groups for group algorithms;
+    `watch` (sao/runtime/rollout_watch.py) counts every finished one and stops a run whose episodes fail."""
     queue = queue if queue is not None else TrajectoryQueue()
     failed_before = sum(queue.failed.values())
     while True:
@@ -78,6 +79,8 @@ def usable_batch(engine, environment, codec, tasks, limits, n: int, trainer_step
             for traj in generate_batch(engine, environment, codec, tasks, limits, n - len(queue), SamplingParams(),
                                        trainer_step):
                 queue.put(traj)
+                if watch is not None:
+                    watch.finished(traj)
         batch, _ = queue.get_batch(n, engine.version, max_lag=1 << 30)  # one version: nothing is stale
         if batch:
             return batch, sum(queue.failed.values()) - failed_before

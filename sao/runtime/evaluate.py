@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from sao.engine.torch_engine import TorchEngine
 from sao.envs.base import EpisodeContext
 from sao.models.chat import ChatCodec
 from sao.rollout.agent_loop import EpisodeLimits, open_episode, run_episode
-from sao.types import SamplingParams, Status, Task, Trajectory
+from sao.runtime.rollout_watch import failure_label
+from sao.types import TRAINABLE, SamplingParams, Status, Task, Trajectory
 
 
 @dataclass
 class EvalResult:
-    accuracy: float  # mean reward over held-out tasks (reward 1 = solved)
+    accuracy: float  # mean reward over the held-out episodes that did not fail (reward 1 = solved)
     n: int
+    failed: int = 0  # episodes that failed (env_error, timeout, ...): counted here, not as 0 in `accuracy`
     statuses: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     trajectories: list[Trajectory] = field(default_factory=list)
@@ -53,8 +56,15 @@ def evaluate(model, codec: ChatCodec, environment, tasks: list[Task], limits: Ep
     metrics = {k: sum(t.metrics.get(k, 0.0) for t in trajs) / len(trajs) for k in keys}
     metrics["turns"] = sum(t.turns for t in trajs) / len(trajs)
     metrics["distinct_tasks"] = float(len({t.prompt for t in tasks}))  # fewer than n when held-out problems repeat
-    solved = [t.reward if t.status == Status.OK else 0.0 for t in trajs]
-    return EvalResult(sum(solved) / len(trajs), len(trajs), statuses, metrics, trajs)
+    ran = [t for t in trajs if t.status in TRAINABLE]  # a failed episode says nothing about the policy
+    solved = [t.reward if t.status == Status.OK else 0.0 for t in ran]
+    return EvalResult(sum(solved) / max(len(ran), 1), len(trajs), len(trajs) - len(ran), statuses, metrics, trajs)
+
+
+def failed_summary(trajs: list[Trajectory]) -> str:
+    """The top failure reasons, e.g. 'env_error: session limit reached x3'."""
+    labels = Counter(failure_label(t) for t in trajs if t.status not in TRAINABLE)
+    return ", ".join(f"{k} x{v}" for k, v in labels.most_common(3))
 
 
 class Evaluator:
@@ -75,8 +85,13 @@ class Evaluator:
         res = evaluate(self.policy.model, ctx.codec, ctx.environment, self.tasks, ctx.limits, greedy=cfg.eval.greedy,
                        seed=cfg.train.seed, version=version, trainer_step=step, engine=engine)
         ctx.threads.train()
-        row = {"eval/accuracy": res.accuracy, **{f"eval/{k}": v for k, v in res.metrics.items()},
+        row = {"eval/accuracy": res.accuracy, "eval/failed": float(res.failed),
+               **{f"eval/{k}": v for k, v in res.metrics.items()},
                "eval/wall_s": time.perf_counter() - t0}  # lets `sao bench` take evaluations out of wall-clock
+        if res.failed:
+            ctx.progress.warn(f"sao: warning: {res.failed} of {res.n} held-out episodes failed at step {step} "
+                              f"({failed_summary(res.trajectories)}); eval/accuracy is over the other "
+                              f"{res.n - res.failed}, eval/failed counts them")
         ctx.run.log(step, row)
         ctx.run.write_trajectories(step, res.trajectories[: cfg.output.trajectories_per_dump], ctx.codec.decode,
                                    prefix="eval_step")

@@ -63,8 +63,7 @@ def finish_step(ctx, step: int, batch: list[Trajectory], version: int, metrics: 
     warning = ctx.critic_watch.update(metrics, cfg.critic.warn_low_ev_steps, step)
     if warning:
         ctx.progress.warn(warning)
-    for warning in ctx.rollout_watch.update(batch, ctx.queue.failed, step):
-        ctx.progress.warn(warning)
+    ctx.rollout_watch.trained(batch, step)
     ctx.run.log(step, metrics)
     if step % cfg.output.trajectories_every == 0:
         ctx.run.write_trajectories(step, batch[: cfg.output.trajectories_per_dump], ctx.codec.decode)
@@ -185,7 +184,8 @@ def run_sync(ctx, evaluate) -> None:
         policy.load(trainer.export_weights())
         version = engine.version = trainer.version
         batch, failed = usable_batch(engine, ctx.environment, ctx.codec, ctx.tasks, ctx.limits,
-                                     cfg.train.batch_size, trainer_step=step - 1, queue=ctx.queue)
+                                     cfg.train.batch_size, trainer_step=step - 1, queue=ctx.queue,
+                                     watch=ctx.rollout_watch)
         ctx.totals["failed"] += failed
         gen_s = time.perf_counter() - t0
         ctx.threads.train_alone()

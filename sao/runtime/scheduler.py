@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sao.runtime.pacing import Pacing
+from sao.runtime.rollout_watch import RolloutWatch
 from sao.runtime.run_dir import append_line, count_lines, truncate_lines
 from sao.types import Assignment, Finished, Record, Status, Task, Trajectory, WorkerLost, WorkerStats
 
@@ -80,8 +81,9 @@ class Audit:
 
 
 class Scheduler:
-    def __init__(self, backend, tasks: TaskStream, audit: Audit, pacing: Pacing):
+    def __init__(self, backend, tasks: TaskStream, audit: Audit, pacing: Pacing, watch: RolloutWatch | None = None):
         self.backend, self.tasks, self.audit, self.pacing = backend, tasks, audit, pacing
+        self.watch = watch  # counts every finished episode: warns on, then stops, a run whose episodes fail
         self.retry: deque[Assignment] = deque()  # lost or not yet re-issued after a resume
         self.outstanding: dict[str, tuple[int, Assignment]] = {}  # id -> (worker, assignment)
         self.stats: dict[int, WorkerStats] = {}
@@ -130,6 +132,8 @@ class Scheduler:
                 self.audit.write("finished", [traj], step, status=traj.status.value, worker=rec.worker)
                 queue.put(traj)
                 arrived += 1
+                if self.watch is not None:
+                    self.watch.finished(traj)
             elif isinstance(rec, WorkerStats):
                 self.stats[rec.worker] = rec
             elif isinstance(rec, WorkerLost):
