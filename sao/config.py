@@ -202,6 +202,8 @@ class RuntimeConfig(Section):
         "stop the run in one line naming the top reason when more than this fraction of the last "
         "failure_window finished episodes failed (1 = never stop)"))
     ray_address: str | None = Field(None, description="ray: join this cluster (e.g. 'auto'); empty = start a local one")
+    ray_connect_timeout_s: float = Field(30.0, gt=0, description=(
+        "ray: a cluster must answer at ray_address within this long, else the run is refused before it starts"))
     ray_num_cpus: int | None = Field(None, ge=1, description="ray: CPUs of the local cluster (default: all)")
     ray_object_store_mb: int = Field(256, ge=64, description="ray: object store size of the local cluster in MiB")
     worker_num_cpus: float = Field(1.0, ge=0, description="ray: CPUs reserved per rollout worker actor")

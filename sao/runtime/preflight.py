@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
 from sao.algo.registry import get_algorithm
@@ -43,6 +45,39 @@ def check_runtime(cfg: Config) -> None:
 
         if importlib.util.find_spec("ray") is None:
             raise ConfigError("runtime.backend=ray: the ray package is not installed (pip install 'sao[ray]')")
+        if r.ray_address:
+            check_ray_address(r.ray_address, r.ray_connect_timeout_s)
+
+
+def check_ray_address(address: str, timeout_s: float) -> None:
+    """A cluster must answer at runtime.ray_address within timeout_s: `ray.init(address=...)` with nothing
+    there retried for over 12 minutes, printing only Ray's warnings, and held SIGTERM off for ~35 s. Here
+    the cluster's GCS port is probed over TCP ("auto": Ray's own lookup of a cluster on this machine)."""
+    target = address.removeprefix("ray://")
+    if address == "auto":
+        from ray._private.services import canonicalize_bootstrap_address
+
+        try:
+            target = canonicalize_bootstrap_address("auto")
+        except ConnectionError:
+            target = None
+        if not target:
+            raise ConfigError("runtime.ray_address: 'auto' found no running Ray cluster on this machine "
+                              "(start one with `ray start --head`, or give its host:port)")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"runtime.ray_address: {address!r} is not 'auto' or host:port")
+    deadline, last = time.monotonic() + timeout_s, None
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            last = exc
+        if time.monotonic() >= deadline:
+            raise ConfigError(f"runtime.ray_address: no Ray cluster answers at {address} within {timeout_s:g}s "
+                              f"(runtime.ray_connect_timeout_s; {last.strerror or last})")
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 def check_ranks(cfg: Config, resume: Path | None = None) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import ray
 import torch
 
-from sao.config import RuntimeConfig
+from sao.config import ConfigError, RuntimeConfig
 from sao.runtime.weight_sync import flatten
 from sao.runtime.worker_host import WorkerSpec, reseed
 from sao.types import Assignment, Record, WorkerLost
@@ -35,8 +35,12 @@ def connect(cfg: RuntimeConfig, trainer_cpus: float = 0.0) -> bool:
     so none of them waits for a CPU the machine lacks: Ray's CPUs are reservations, not cores."""
     if ray.is_initialized():
         return False
-    if cfg.ray_address:
-        ray.init(address=cfg.ray_address, log_to_driver=False, logging_level="ERROR")
+    if cfg.ray_address:  # preflight checked that something answers there (check_ray_address)
+        try:
+            ray.init(address=cfg.ray_address, log_to_driver=False, logging_level="ERROR")
+        except ConnectionError as exc:
+            raise ConfigError(f"runtime.ray_address: cannot join the Ray cluster at {cfg.ray_address} "
+                              f"({str(exc).splitlines()[0][:200]})") from None
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     wanted = math.ceil(cfg.rollout_workers * cfg.worker_num_cpus + trainer_cpus)
