@@ -106,6 +106,10 @@ class AlgoConfig(Section):
         "floor of the std that whitening divides by: a batch whose raw advantages spread less (e.g. every "
         "reward equal, only critic noise left) keeps its small scale instead of being blown up to unit "
         "scale; with rewards in [0, 1] healthy batches spread far more (docs/algorithm.md §4)"))
+    skip_uniform_rewards: bool = Field(True, description=(
+        "critic-based algorithms: no actor update on a batch whose rewards are all equal (the critic still "
+        "learns): its advantages are only the critic's error, and Adam turns that noise into full-size "
+        "steps; on a solved task they broke the policy within 3 steps (docs/algorithm.md §4)"))
     entropy_coef: float = Field(0.0, ge=0, description=(
         "entropy bonus on action tokens; the paper uses none (0). Opt-in for settings where a tiny policy "
         "saturates and can no longer explore, e.g. the style_shift online benchmark"))

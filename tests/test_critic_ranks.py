@@ -34,6 +34,9 @@ def _batches(codec, model, n: int, seed: int = 0):
     out = []
     for b in range(n):
         trajs = []
+        rewards = [float(rng.random() < 0.5) for _ in range(4)]
+        if len(set(rewards)) == 1:  # a batch of equal rewards trains no actor (algo.skip_uniform_rewards)
+            rewards[3] = 1.0 - rewards[3]
         for i in range(4):
             p = codec.prompt_ids([{"role": "user", "content": f"{rng.randint(1, 9)}+{rng.randint(1, 9)}"}])
             a1 = codec.action_ids(f"<calc>{rng.randint(1, 99)}</calc>")
@@ -44,7 +47,7 @@ def _batches(codec, model, n: int, seed: int = 0):
             with torch.no_grad():
                 lp = sequence_logprobs(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
             trajs.append(Trajectory(f"{b}-{i}", f"task{b}-{i}", ids, mask, [x * m for x, m in zip(lp.tolist(), mask)],
-                                    [0 if m else -1 for m in mask], len(p), reward=float(rng.random() < 0.5), turns=2))
+                                    [0 if m else -1 for m in mask], len(p), reward=rewards[i], turns=2))
         out.append(collate(trajs, codec.tokenizer.pad_token_id))
     return out
 

@@ -176,9 +176,36 @@ def test_whitening_does_not_blow_critic_noise_up_when_no_reward_varies(tiny, tin
         critic = build_critic(tiny_model_dir)
         with torch.no_grad():
             critic.score.weight.normal_(0, 1e-3)  # a critic that is not exactly zero: noise of ~1e-3
-        learner = Learner(actor, critic, get_algorithm("sao"), AlgoConfig(whiten_min_std=floor),
+        # the floor matters where such batches train the actor: algo.skip_uniform_rewards off
+        learner = Learner(actor, critic, get_algorithm("sao"), AlgoConfig(whiten_min_std=floor, skip_uniform_rewards=False),
                           CriticConfig(warmup_steps=0), TrainConfig(lr=1e-3))
         m = learner.step(batch)
         assert m["reward/mean"] == 0.0 and m["adv/std_raw"] < 1e-2
         norms[floor] = m["actor/grad_norm"]
     assert norms[1e-6] > 5 * norms[AlgoConfig().whiten_min_std]  # measured: 2.91 vs 0.30
+
+
+def test_no_actor_step_on_a_batch_whose_rewards_are_all_equal(tiny, tiny_model_dir):
+    """algo.skip_uniform_rewards: the critic learns, the actor's weights, optimizer state and version do
+    not move (tests/test_solved_task.py shows why); one differing reward and the actor steps again."""
+    model, codec = tiny
+    batch = _batch(codec, model)
+    last = batch.action_mask.cumsum(1).argmax(1)
+    batch.rewards.zero_()
+    batch.rewards[torch.arange(batch.size), last] = 1.0
+    batch.scalar_rewards.fill_(1.0)
+    actor = type(model)(model.config)
+    actor.load_state_dict(model.state_dict())
+    learner = Learner(actor, build_critic(tiny_model_dir), get_algorithm("sao"), AlgoConfig(),
+                      CriticConfig(warmup_steps=0), TrainConfig(lr=1e-3))
+    before = [p.detach().clone() for p in actor.parameters()]
+    critic_before = [p.detach().clone() for p in learner.critic.parameters()]
+    m = learner.step(batch)
+    assert m["actor/uniform_skipped"] == 1.0 and "actor/grad_norm" not in m and learner.version == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, actor.parameters()))
+    assert not learner.actor_opt.state  # Adam saw nothing: no momentum to carry on
+    assert any(not torch.equal(a, b) for a, b in zip(critic_before, learner.critic.parameters()))
+    batch.scalar_rewards[0] = 0.0
+    batch.rewards[0, last[0]] = 0.0
+    m = learner.step(batch)
+    assert m["actor/uniform_skipped"] == 0.0 and m["actor/grad_norm"] > 0 and learner.version == 1

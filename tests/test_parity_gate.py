@@ -71,9 +71,9 @@ def test_live_parity_on_tokens_of_the_current_weights(tiny, tiny_model_dir, algo
     from sao.trainer.learner import Learner
 
     model, codec = tiny
-    batch = _engine_batch(model, model, codec)
+    batch = _engine_batch(model, model, codec)  # the untrained model's rewards are all 0: train anyway
     critic = build_critic(tiny_model_dir) if get_algorithm(algo).uses_critic else None
-    learner = Learner(model, critic, get_algorithm(algo), AlgoConfig(), CriticConfig(warmup_steps=0),
+    learner = Learner(model, critic, get_algorithm(algo), AlgoConfig(skip_uniform_rewards=False), CriticConfig(warmup_steps=0),
                       TrainConfig(lr=1e-3))
     m = learner.step(batch)
     assert m["parity/live_tokens"] == float(batch.action_mask.sum())
@@ -96,7 +96,7 @@ def test_live_parity_sees_an_engine_on_other_weights(tiny, tiny_model_dir):
     with torch.no_grad():
         engine_model.model.layers[0].mlp.up_proj.weight.mul_(1.1)
     batch = _engine_batch(model, engine_model, codec)
-    learner = Learner(model, build_critic(tiny_model_dir), get_algorithm("sao"), AlgoConfig(),
+    learner = Learner(model, build_critic(tiny_model_dir), get_algorithm("sao"), AlgoConfig(skip_uniform_rewards=False),
                       CriticConfig(warmup_steps=0), TrainConfig(lr=1e-3))
     m = learner.step(batch)
     assert m["parity/live_max_abs_diff"] > 1e-3

@@ -7,7 +7,8 @@ reaches into the models or optimizers.
     step 1  v0 = critic(batch), no grad; returns R from lambda=1 skip-observation GAE on v0
     step 2  K critic steps on MSE(V, R)                          (faster value update, K=2)
     step 3  v2 = critic(batch), no grad; advantages from lambda_policy GAE on v2; whiten
-    step 4  one actor step with the DIS loss                     (skipped during critic warm-up)
+    step 4  one actor step with the DIS loss                     (skipped during critic warm-up, and
+                                                                  on a batch whose rewards are all equal)
 
 Critic-free algorithms (group, running mean) skip steps 1-3 and put one advantage per trajectory on
 every action token; only critic-based advantages are whitened (docs/algorithm.md §7). PPO-loss algorithms (grpo,
@@ -255,7 +256,9 @@ class Learner:
             advantages = masked_whiten(advantages, mask, min_std=self.algo_cfg.whiten_min_std, reduce=self.reduce)
         warmup = self.in_warmup
         metrics["train/critic_warmup"] = float(warmup)
-        if not warmup:  # step 4
+        uniform = self.algo.uses_critic and self.algo_cfg.skip_uniform_rewards and self._uniform_rewards(batch)
+        metrics["actor/uniform_skipped"] = float(uniform and not warmup)
+        if not warmup and not uniform:  # step 4
             self._pass_boundary()
             t = time.perf_counter()
             metrics.update(self._actor_step(batch, advantages))
@@ -268,6 +271,11 @@ class Learner:
         metrics["perf/train_positions"] = positions  # what each full-batch model pass computes
         metrics["perf/padded_frac"] = 1.0 - metrics["perf/train_tokens"] / positions
         return metrics
+
+    def _uniform_rewards(self, batch: Batch) -> bool:
+        """Every reward of the batch (all ranks' rows) is the same: no reward contrast to learn from."""
+        r = batch.scalar_rewards.float()
+        return float(self.reduce.max(r.max()) + self.reduce.max(-r.min())) == 0.0
 
     def _actor_step(self, batch: Batch, advantages: torch.Tensor) -> dict[str, float]:
         cfg = self.algo_cfg
