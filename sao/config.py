@@ -282,6 +282,10 @@ class OutputConfig(Section):
         "checkpoints/final is always kept; 0: keep all"))
     trajectories_every: int = Field(10, ge=1, description="write sample trajectories every this many steps")
     trajectories_per_dump: int = Field(4, ge=1, description="trajectories written per dump")
+    trace_trajectories: int = Field(2, ge=0, description=(
+        "of each dump's trajectories, how many also get what the trainer computed per action token "
+        "(log-prob, ratio, DIS mask, V before/after the critic's update, return, advantage) in "
+        "traces/step_N.jsonl, read by `sao view` (0: none)"))
     progress: bool = Field(True, description="show a live progress bar")
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
         default_factory=lambda: ["tensorboard"], description=(

@@ -91,6 +91,8 @@ def test_one_batch_ahead_gives_the_same_weights_and_metrics(tiny, tiny_model_dir
 
     model, codec = tiny
     batches = _batches(codec, model, STEPS)
+    for b in batches[1::2]:  # some steps record per-token values (sao/trainer/trace.py): the same both ways
+        b.trace_rows = 2
     ref_actor, sep_actor = copy.deepcopy(model), copy.deepcopy(model)
     ref = _colocated(ref_actor, tiny_model_dir, lora=lora)
     ref_rows = [ref.step(b) for b in batches]
@@ -104,6 +106,14 @@ def test_one_batch_ahead_gives_the_same_weights_and_metrics(tiny, tiny_model_dir
             sep_rows.append(sep.step(b))
         assert sep.critic_group.pending == []
         for n, (r, s) in enumerate(zip(ref_rows, sep_rows)):
+            tr, ts = r.pop("trace", None), s.pop("trace", None)
+            assert (tr is None) == (ts is None) == (batches[n].trace_rows == 0), n
+            for a, b in zip(tr or [], ts or []):
+                assert a.keys() == b.keys() and "v_before" in a and ("logprob" in a) == (a["actor"] == "stepped"), n
+                for k in set(a) - {"actor"}:
+                    x, y = (list(a[k].values()), list(b[k].values())) if isinstance(a[k], dict) else (a[k], b[k])
+                    flat = list(zip(x, y)) if isinstance(x, list) else [(x, y)]
+                    assert all(_same(float(x), float(y)) for x, y in flat if x is not None), (n, k)
             keys = {k for k in r if not k.startswith("perf/")}
             assert keys == {k for k in s if not k.startswith("perf/")}, n
             off = {k: (r[k], s[k]) for k in keys if not _same(float(r[k]), float(s[k]))}

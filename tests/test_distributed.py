@@ -59,7 +59,9 @@ def _batch(actor, n: int = 6, group_size: int = 2):
         lp = lp + 0.4 * torch.randn(len(ids), generator=gen)
         trajs.append(Trajectory(str(i), f"g{i // group_size}", ids, mask, [x * m for x, m in zip(lp.tolist(), mask)],
                                 [0 if m else -1 for m in mask], p, reward=float(i % 3 == 1) + 0.1 * i))
-    return collate(trajs, pad_id=0)
+    batch = collate(trajs, pad_id=0)
+    batch.trace_rows = n  # every row's per-token record (sao/trainer/trace.py): at 2 ranks, gathered from both
+    return batch
 
 
 def _configs(case: str):
@@ -123,8 +125,26 @@ def test_shard_rows_balances_tokens_keeps_groups_whole_and_feeds_every_rank():
         shard_rows([5] * 4, ["a", "a", "b", "b"], 3)
 
 
-def _same_metrics(one: dict, many: dict) -> list[str]:
+def _same_traces(one: list[dict], many: list[dict]) -> list[str]:
+    """Per-token records: every row once, in order, the same values (to the records' 6 digits)."""
+    if [r["row"] for r in one] != [r["row"] for r in many] or len(one) != 6:
+        return [f"rows {[r['row'] for r in one]} vs {[r['row'] for r in many]}"]
     bad = []
+    for a, b in zip(one, many):
+        for k in sorted(set(a) | set(b)):
+            x, y = a.get(k), b.get(k)
+            if isinstance(x, dict):
+                x, y = list(x.values()), list(y.values())
+            pairs = list(zip(x, y)) if isinstance(x, list) and isinstance(y, list) and len(x) == len(y) else [(x, y)]
+            if not all(u == v or (isinstance(u, float) and isinstance(v, float)
+                                  and math.isclose(u, v, rel_tol=1e-4, abs_tol=1e-5)) for u, v in pairs):
+                bad.append(f"row {a['row']} {k}")
+    return bad
+
+
+def _same_metrics(one: dict, many: dict) -> list[str]:
+    one, many = dict(one), dict(many)
+    bad = _same_traces(one.pop("trace", []), many.pop("trace", []))
     for k in sorted(set(one) | set(many)):
         if k.startswith("perf/") and k != "perf/train_tokens":
             continue  # timings, and packed positions that depend on each rank's rows

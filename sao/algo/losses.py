@@ -11,6 +11,18 @@ import torch
 from sao.algo.core import LOCAL, Reducer, masked_mean, token_count, token_mean_loss
 
 
+def dis_mask(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, action_mask: torch.Tensor,
+             eps_low: float, eps_high: float) -> tuple[torch.Tensor, ...]:
+    """DIS's token mask (docs/algorithm.md §3): (log-ratio, ratio, masked low, masked high), each (B, T).
+    A token is masked low when r_t <= 1 - eps_low and high when r_t >= 1 + eps_high (action tokens only)."""
+    on = action_mask.bool()
+    # torch.where, not `* mask`: an overflowing ratio (exp of a log-ratio > 88 in fp32 is inf) or a
+    # -inf log-prob off the mask times 0 is NaN, and one NaN poisons the whole gradient
+    logratio = torch.where(on, logprobs - behavior_logprobs, 0.0)
+    ratio = torch.exp(logratio)
+    return logratio, ratio, (ratio <= 1.0 - eps_low) & on, (ratio >= 1.0 + eps_high) & on
+
+
 def dis_policy_loss(
     logprobs: torch.Tensor,  # (B, T) log pi_theta(a_t|s_t), with grad
     behavior_logprobs: torch.Tensor,  # (B, T) log pi_rollout(a_t|s_t) recorded by the engine
@@ -28,12 +40,7 @@ def dis_policy_loss(
     Masked tokens stay in the denominator (token mean over all action tokens of the batch).
     """
     on = action_mask.bool()
-    # torch.where, not `* mask`: an overflowing ratio (exp of a log-ratio > 88 in fp32 is inf) or a
-    # -inf log-prob off the mask times 0 is NaN, and one NaN poisons the whole gradient
-    logratio = torch.where(on, logprobs.detach() - behavior_logprobs, 0.0)
-    ratio = torch.exp(logratio)
-    low = (ratio <= 1.0 - eps_low) & on
-    high = (ratio >= 1.0 + eps_high) & on
+    logratio, ratio, low, high = dis_mask(logprobs.detach(), behavior_logprobs, action_mask, eps_low, eps_high)
     keep = ~low & ~high & on
     weight = torch.where(keep, ratio, 0.0).detach()
     pg_terms = torch.where(keep, weight * advantages.detach() * logprobs, 0.0)

@@ -48,9 +48,18 @@ def rollout_metrics(batch: list[Trajectory], version: int) -> dict[str, float]:
     return m
 
 
+def traced_rows(cfg, step: int) -> int:
+    """Rows of step `step`'s batch whose per-token values the trainer records: on the steps that dump
+    trajectories, the first `output.trace_trajectories` of those dumped (sao/trainer/trace.py)."""
+    if step % cfg.output.trajectories_every:
+        return 0
+    return min(cfg.output.trace_trajectories, cfg.output.trajectories_per_dump)
+
+
 def finish_step(ctx, step: int, batch: list[Trajectory], version: int, metrics: dict, evaluate) -> None:
     """Log the step's row (and the run's totals), dump trajectories, evaluate and checkpoint on schedule."""
     cfg = ctx.cfg
+    trace = metrics.pop("trace", None)  # what the trainer computed per token (traced_rows)
     ctx.step = step
     metrics.update(rollout_metrics(batch, version))
     ctx.live_parity(metrics)
@@ -67,6 +76,8 @@ def finish_step(ctx, step: int, batch: list[Trajectory], version: int, metrics: 
     ctx.run.log(step, metrics)
     if step % cfg.output.trajectories_every == 0:
         ctx.run.write_trajectories(step, batch[: cfg.output.trajectories_per_dump], ctx.codec.decode)
+    if trace:
+        ctx.run.write_traces(step, batch, trace, ctx.codec.decode, cfg.algo.name, version)
     ctx.progress.step(metrics)
     if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
         evaluate(step)
@@ -110,6 +121,7 @@ def look_ahead(ctx, backend, step: int, version: int, current, handed: bool):
     if not handed:
         trainer.look_ahead(current)  # the critic takes batches in order: this one first
     collated = collate(batch, ctx.codec.tokenizer.pad_token_id)
+    collated.trace_rows = traced_rows(cfg, step + 1)
     trainer.look_ahead(collated)
     return batch, collated
 
@@ -153,7 +165,9 @@ def run_async(ctx, backend, evaluate) -> None:
             metrics = {"reward/mean": sum(t.reward for t in batch) / len(batch)}
         else:
             handed = collated is not None
-            collated = collated if handed else collate(batch, ctx.codec.tokenizer.pad_token_id)
+            if not handed:
+                collated = collate(batch, ctx.codec.tokenizer.pad_token_id)
+                collated.trace_rows = traced_rows(cfg, step)
             ahead = look_ahead(ctx, backend, step, version, collated, handed)
             metrics = trainer.step(collated)
             if trainer.looks_ahead:
@@ -161,8 +175,10 @@ def run_async(ctx, backend, evaluate) -> None:
         if threads is not None:
             metrics.update(threads.end_step())
         sched.trained(batch, step)
-        if pacing.step_done(version, trainer.version):
+        published = pacing.step_done(version, trainer.version)
+        if published:
             sync_ms = backend.publish(trainer.export_weights(), trainer.version)
+        metrics["async/published"] = float(published)  # marked on the curves of `sao view`
         sched.fill(step)  # keep the workers busy while this step is logged (and the next trains)
         ctx.totals.update(dropped_stale=ctx.queue.dropped_stale, failed=sum(ctx.queue.failed.values()))
         metrics.update(async_perf(ctx, wait_s, time.perf_counter() - t_start, sync_ms))
@@ -190,7 +206,9 @@ def run_sync(ctx, evaluate) -> None:
         gen_s = time.perf_counter() - t0
         ctx.threads.train_alone()
         t1 = time.perf_counter()
-        metrics = trainer.step(collate(batch, pad_id))
+        collated = collate(batch, pad_id)
+        collated.trace_rows = traced_rows(cfg, step)
+        metrics = trainer.step(collated)
         train_s = time.perf_counter() - t1
         gen_total, train_total = gen_total + gen_s, train_total + train_s
         metrics.update({"perf/gen_s": gen_s, "perf/train_s": train_s, "perf/gen_total_s": gen_total,

@@ -5,6 +5,7 @@
       metrics.jsonl          one row per optimizer step (namespaced keys), eval rows included
       tb/                    TensorBoard event files with the same scalars (output.report_to: also wandb/, trackio)
       trajectories/          step_000010.txt (readable, action/observation split) + .jsonl (token level)
+      traces/                step_000010.jsonl: what the trainer computed per token for some of them (`sao view`)
       checkpoints/<tag>/     actor/ and critic/ in HF format (sao/runtime/checkpoint.py)
       summary.json           before/after held-out accuracy and run totals
       plots/                 written by `sao report`
@@ -136,6 +137,29 @@ class RunDir:
             except OSError as exc:
                 path.unlink(missing_ok=True)
                 raise write_failure(path, exc) from None
+
+    def write_traces(self, step: int, batch: list[Trajectory], records: list[dict], decode, algo: str,
+                     version: int) -> None:
+        """traces/step_N.jsonl: the trainer's per-token records (sao/trainer/trace.py) joined with their
+        trajectories (id, status, lag, each token's text). Written whole, then renamed into place."""
+        folder = self.path / "traces"
+        path = folder / f"step_{step:06d}.jsonl"
+        lines = []
+        for rec in records:
+            t = batch[rec["row"]]
+            head = {"step": step, "algo": algo, "trajectory_id": t.id, "task_id": t.task_id, "status": t.status.value,
+                    "status_reason": t.status_reason, "turns": t.turns, "lag": t.lag(version),
+                    "token_ids": list(t.token_ids), "text": [decode([i]) for i in t.token_ids],
+                    "action_mask": list(t.action_mask)}
+            lines.append(json.dumps({**head, **rec}) + "\n")
+        tmp = path.with_suffix(".partial")
+        try:
+            folder.mkdir(exist_ok=True)
+            tmp.write_text("".join(lines))
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise write_failure(path, exc) from None
+        tmp.rename(path)
 
     def write_json(self, name: str, data: dict) -> None:
         tmp = self.path / (name + ".partial")

@@ -30,6 +30,7 @@ class Batch:
     group_ids: list[str]  # the group key: task ids are unique per draw, shared by a group's G rollouts
     packing: Packing | None = None  # None: model passes run on the padded (B, T) batch
     versions: torch.Tensor | None = None  # (B, T) long: the policy version that sampled each token, -1 elsewhere
+    trace_rows: int = 0  # the trainer records per-token values for rows 0..trace_rows-1 (sao/trainer/trace.py)
 
     @property
     def size(self) -> int:
@@ -47,7 +48,7 @@ class Batch:
             self.input_ids[idx], self.attention_mask[idx], self.action_mask[idx], self.behavior_logprobs[idx],
             self.rewards[idx], self.scalar_rewards[idx], self.num_action_tokens[idx],
             [self.task_ids[i] for i in pick], [self.prompt_keys[i] for i in pick], [self.group_ids[i] for i in pick],
-            versions=None if self.versions is None else self.versions[idx],
+            versions=None if self.versions is None else self.versions[idx], trace_rows=self.trace_rows,
         )
 
 

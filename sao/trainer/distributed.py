@@ -188,6 +188,18 @@ class DistributedLearner(Learner):
         metrics.update(zip(timed, self.reduce.max_values([metrics[k] for k in timed])))  # the slowest rank
         return metrics
 
+    def _trace_rows(self, batch: Batch) -> list[int]:
+        return [i for i, g in enumerate(self._rows) if g < batch.trace_rows]
+
+    def _global_rows(self, local: list[int]) -> list[int]:
+        return [self._rows[i] for i in local]
+
+    def _trace_records(self, actor: str) -> list[dict]:
+        """Every rank's traced rows, gathered onto each (a collective: every rank traces the same step)."""
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, self.trace.records(actor))
+        return sorted((r for part in parts for r in part), key=lambda r: r["row"])
+
     def _baseline_advantages(self, batch: Batch) -> torch.Tensor:
         if self._running_adv is None:
             return super()._baseline_advantages(batch)  # GRPO: whole groups on this rank

@@ -41,6 +41,7 @@ from sao.device import autocast, to_device
 from sao.models.critic import freeze_parameters
 from sao.trainer.batch import Batch
 from sao.trainer.packing import actor_logprobs, critic_forward, pack
+from sao.trainer.trace import StepTrace
 
 
 class NonFiniteError(RuntimeError):
@@ -85,6 +86,7 @@ class Learner:
         # called before each model pass: the async loop sets the thread count by what the rollout side
         # is doing (sao/runtime/threads.py); it only reads a counter, never receives. None in sync mode
         self.before_pass: Callable[[], None] | None = None
+        self.trace: StepTrace | None = None  # this step's per-token record, when the batch asks (trace_rows)
         if algo.uses_critic and critic_group is None:
             if critic is None:
                 raise ValueError(f"algo.name={algo.name} needs a critic")
@@ -129,6 +131,9 @@ class Learner:
         v0 = v.detach()
         t = _lap(metrics, "perf/critic_forward_s", t)
         _, returns = skip_observation_gae(batch.rewards, v0, mask, cfg.gamma, 1.0)
+        if self.trace is not None:
+            self.trace.put("v_before", v0)
+            self.trace.put("return", returns)
         metrics["critic/explained_variance"] = explained_variance(v0, returns, mask, self.reduce)
         t = _lap(metrics, "perf/gae_s", t)
         for k in range(self.critic_updates):  # step 2
@@ -150,6 +155,10 @@ class Learner:
             lam = length_adaptive_lambda(batch.num_action_tokens, cfg.lam_alpha)
             advantages, _ = skip_observation_gae(batch.rewards, v2, mask, cfg.gamma, lam)
         _lap(metrics, "perf/gae_s", t)
+        if self.trace is not None:
+            self.trace.put("v_after", v2)
+            if lam.dim() == 1:
+                self.trace.put("lambda", lam)
         metrics["critic/version"] = self.critic_version
         metrics["critic/value_mean"] = float(masked_mean(v2, mask, self.reduce))
         metrics["critic/return_mean"] = float(masked_mean(returns, mask, self.reduce))
@@ -162,7 +171,11 @@ class Learner:
         self.skipped_in_step, metrics = 0, {"perf/critic_began_at": time.time()}  # a wall clock both sides share
         t = time.perf_counter()
         with autocast(self.device, self.dtype):
-            advantages = self._critic_phase(to_device(batch, self.device), metrics)
+            batch = to_device(batch, self.device)
+            self.trace = self._start_trace(batch)
+            advantages = self._critic_phase(batch, metrics)
+        if self.trace is not None:
+            metrics["trace"], self.trace = self.trace.critic_part(), None
         metrics["perf/critic_phase_s"] = time.perf_counter() - t
         metrics["perf/critic_ended_at"] = time.time()
         return advantages.float().cpu(), metrics, self.skipped_in_step
@@ -174,6 +187,9 @@ class Learner:
         t = time.perf_counter()
         advantages, critic_metrics, skipped = self.critic_group.result()
         metrics["perf/critic_wait_s"] = time.perf_counter() - t  # what of the critic's time was not hidden
+        part = critic_metrics.pop("trace", None)
+        if self.trace is not None and part:
+            self.trace.merge(part)
         metrics.update(critic_metrics)
         self.skipped_in_step += skipped
         return advantages.to(self.device)
@@ -185,6 +201,9 @@ class Learner:
                 raise RuntimeError(f"{self.algo.name}: batch holds groups of sizes {sorted(set(sizes.values()))}, "
                                    f"expected algo.group_size={self.algo_cfg.group_size}")
             adv = group_advantages(batch.scalar_rewards, batch.group_ids)
+            if self.trace is not None:
+                self.trace.put_rows("group", [batch.group_ids[i] for i in self.trace.local])
+                self.trace.put("group_adv", adv)
         else:  # keyed by the prompt's content: a per-draw id would never fill its window
             adv = torch.tensor(self.running_mean.advantages(batch.scalar_rewards.tolist(), batch.prompt_keys),
                                device=batch.action_mask.device)
@@ -241,10 +260,28 @@ class Learner:
         with autocast(self.device, self.dtype):
             return self._step(to_device(batch, self.device))
 
+    def _start_trace(self, batch: Batch) -> StepTrace | None:
+        if not batch.trace_rows:
+            return None
+        local = self._trace_rows(batch)
+        return StepTrace(batch, local, self._global_rows(local))
+
+    def _trace_rows(self, batch: Batch) -> list[int]:
+        """This learner's rows of `batch` that are traced (a sharded learner holds some of the batch)."""
+        return list(range(min(batch.trace_rows, batch.size)))
+
+    def _global_rows(self, local: list[int]) -> list[int]:
+        return local
+
+    def _trace_records(self, actor: str) -> list[dict]:
+        """The traced rows' records (a sharded learner gathers every rank's onto each)."""
+        return self.trace.records(actor)
+
     def _step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
         mask = batch.action_mask
         self.skipped_in_step = 0
+        self.trace = self._start_trace(batch)
         metrics: dict[str, float] = {"reward/mean": float(self.reduce.mean(batch.scalar_rewards))}
         if self.algo.uses_critic:
             advantages = self._critic_advantages(batch, metrics)
@@ -252,12 +289,20 @@ class Learner:
             advantages = self._baseline_advantages(batch)
         metrics["adv/mean_raw"] = float(masked_mean(advantages, mask, self.reduce))
         metrics["adv/std_raw"] = float(masked_var(advantages, mask, self.reduce).clamp(min=0).sqrt())
+        if self.trace is not None:
+            self.trace.put("adv_raw", advantages)
         if self.algo_cfg.whiten_advantages and self.algo.uses_critic:
+            if self.trace is not None:  # the statistics masked_whiten uses
+                self.trace.extra["whiten"] = {"mean": metrics["adv/mean_raw"],
+                                              "std": max(metrics["adv/std_raw"], self.algo_cfg.whiten_min_std)}
             advantages = masked_whiten(advantages, mask, min_std=self.algo_cfg.whiten_min_std, reduce=self.reduce)
+        if self.trace is not None:
+            self.trace.put("adv", advantages)
         warmup = self.in_warmup
         metrics["train/critic_warmup"] = float(warmup)
         uniform = self.algo.uses_critic and self.algo_cfg.skip_uniform_rewards and self._uniform_rewards(batch)
         metrics["actor/uniform_skipped"] = float(uniform and not warmup)
+        version = self.actor_version
         if not warmup and not uniform:  # step 4
             self._pass_boundary()
             t = time.perf_counter()
@@ -265,6 +310,10 @@ class Learner:
             _lap(metrics, "perf/actor_s", t)  # forward + backward + optimizer step
         self.steps_done += 1
         self._guard(metrics)
+        if self.trace is not None:
+            actor = ("warmup" if warmup else "uniform" if uniform else
+                     "stepped" if self.actor_version > version else "not applied")
+            metrics["trace"], self.trace = self._trace_records(actor), None
         metrics["perf/train_step_s"] = time.perf_counter() - t0
         metrics["perf/train_tokens"] = float(self.reduce.sum(batch.attention_mask.sum()))
         positions = float(self.reduce.sum(torch.tensor(float(self._packed(batch).positions))))
@@ -285,6 +334,8 @@ class Learner:
         else:
             with torch.no_grad():  # pi_old, once per batch: the extra forward pass DIS avoids
                 old_logprobs, _ = actor_logprobs(self.actor, self._packed(batch))
+            if self.trace is not None:
+                self.trace.put_policy(old_logprobs, None)
             live = self._live_parity(old_logprobs, batch)
             gen = torch.Generator().manual_seed(self.train_cfg.seed * 1_000_003 + self.steps_done)
             rows = []
@@ -322,6 +373,8 @@ class Learner:
         if old_logprobs is None:
             loss, metrics = dis_policy_loss(logprobs, batch.behavior_logprobs, advantages, mask,
                                             cfg.eps_low, cfg.eps_high, self.reduce)
+            if self.trace is not None and batch is self.trace.batch:  # the one DIS update, on the whole batch
+                self.trace.put_policy(logprobs, (cfg.eps_low, cfg.eps_high))
             metrics.update(self._live_parity(logprobs.detach(), batch))
         else:
             loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, mask, cfg.ppo_eps_low, cfg.ppo_eps_high,
