@@ -325,6 +325,7 @@ TRAIN = [
     "rollout.max_action_tokens=12", "runtime.max_lag=1", "eval.num_tasks=4", "eval.every=0",
     "output.trajectories_every=1", "output.root=runs", "env.name=openenv", "env.options.action_field=text",
     "env.options.action_tag=",
+    "algo.skip_uniform_rewards=false",  # every step an actor step, so the live parity is measured (conftest.TINY)
 ]
 
 

@@ -92,7 +92,8 @@ def test_run_async_keeps_the_pacing_invariant(tmp_path, monkeypatch, max_lag, is
         "sft.steps=0", f"train.steps={steps}", f"train.batch_size={b}", f"critic.warmup_steps={warmup}",
         "rollout.concurrency=4", "rollout.max_turns=2", "rollout.max_action_tokens=8", "eval.every=0",
         f"runtime.max_lag={max_lag}", f"runtime.issue_ahead={issue_ahead}", f"runtime.sync_every={sync_every}",
-        "output.save_every=0", "output.name=p", "model.cache_dir=cache"])
+        "output.save_every=0", "output.name=p", "model.cache_dir=cache",
+        "algo.skip_uniform_rewards=false"])  # every step an actor step: the invariant counts them (conftest.TINY)
     ctx = context.build(cfg, preflight(cfg), RunProgress(enabled=False))
     backend = Observed(InProcessBackend(worker_specs(cfg, str(ctx.model_path), ctx.limits)), ctx)
     backend.start(ctx.trainer.export_weights(), ctx.trainer.version)

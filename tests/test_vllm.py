@@ -199,7 +199,7 @@ def test_sao_train_with_vllm_survives_a_killed_server(tmp_path):
             "model.hidden_size=64", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
             "sft.steps=20", "sft.batch_size=8", "train.steps=12", "train.batch_size=4", "critic.warmup_steps=1",
             "rollout.concurrency=8", "rollout.max_turns=2", "rollout.max_action_tokens=12", "runtime.max_lag=1",
-            "runtime.issue_ahead=1",
+            "runtime.issue_ahead=1", "algo.skip_uniform_rewards=false",  # actor steps, so live parity rows
             "eval.num_tasks=8", "eval.every=0", "output.root=runs", "output.name=v", "model.cache_dir=cache", "--quiet"]
     proc = subprocess.Popen([sys.executable, "-m", "sao.cli", *args], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
