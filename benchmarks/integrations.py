@@ -170,7 +170,7 @@ def bench_openenv(codec, episodes: int) -> dict:
 
 async def step_times(environment, episodes: int, rounds: int) -> list[float]:
     """Each step's wall time through the episode's own methods, as the agent loop calls them."""
-    from sao.rollout.agent_loop import _call
+    from sao.rollout.env_calls import call_env as _call
 
     times, stream = [], environment.train_tasks()
     for _ in range(episodes):

@@ -18,8 +18,8 @@ pytest.importorskip("uvicorn")
 from sao.engine.torch_engine import TorchEngine  # noqa: E402
 from sao.envs import make_environment  # noqa: E402
 from sao.envs.base import EpisodeContext  # noqa: E402
-from sao.rollout.agent_endpoint import parse_tool_calls  # noqa: E402
 from sao.rollout.agent_loop import EpisodeLimits, run_episode  # noqa: E402
+from sao.rollout.agent_session import parse_tool_calls  # noqa: E402
 from sao.types import Generation, SamplingParams, Status  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

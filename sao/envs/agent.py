@@ -2,7 +2,7 @@
 
 For each episode sao starts the user's agent with a base URL and an API key of its own; the rollout
 worker serves `/v1/chat/completions` and `/v1/completions` there from its engine and records every
-sampled token (sao/rollout/agent_endpoint.py). The agent is either
+sampled token (sao/rollout/agent_session.py). The agent is either
 
     agent   = "module:func"   called as func(task: dict, base_url: str, api_key: str); plain (run in its
                               own thread, e.g. with the sync `openai` client) or async
@@ -97,10 +97,8 @@ class _StubEndpoint:
 
 
 class AgentEpisode:
-    """What one agent episode needs; `sao.rollout.agent_loop` runs it through the endpoint (it has no
-    reset/step: the agent owns the loop)."""
-
-    drives_itself = True
+    """What one agent episode needs; `sao.rollout.agent_loop.run_episode` drives it by its type, through
+    the endpoint (sao/rollout/agent_episode.py; it has no reset/step: the agent owns the loop)."""
 
     def __init__(self, options: AgentOptions, agent, reward_fn, ctx: EpisodeContext) -> None:
         self.options, self.agent, self.reward_fn, self.ctx = options, agent, reward_fn, ctx

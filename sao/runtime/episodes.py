@@ -14,7 +14,7 @@ import asyncio
 import torch
 
 from sao.config import Config
-from sao.rollout.agent_loop import EpisodeLimits, open_episode, run_episode
+from sao.rollout.agent_loop import EpisodeLimits, run_episodes
 from sao.runtime.queue import TrajectoryQueue
 from sao.types import SamplingParams, Trajectory
 
@@ -56,15 +56,9 @@ def generate_batch(engine, environment, codec, tasks, limits, n: int, params: Sa
     """Run n episodes concurrently on one engine."""
     from sao.envs.base import EpisodeContext
 
-    async def go():
-        try:
-            return await asyncio.gather(*(
-                run_episode(open_episode(environment, EpisodeContext(engine.version, trainer_step)),
-                            next(tasks), engine, codec, params, limits) for _ in range(n)))
-        finally:
-            await engine.close()
-
-    return asyncio.run(go())
+    picked = [next(tasks) for _ in range(n)]
+    return asyncio.run(run_episodes(engine, environment, codec, picked, params, limits,
+                                    lambda: EpisodeContext(engine.version, trainer_step)))
 
 
 def usable_batch(engine, environment, codec, tasks, limits, n: int, trainer_step: int = 0, queue=None,

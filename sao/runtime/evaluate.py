@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from sao.engine.torch_engine import TorchEngine
 from sao.envs.base import EpisodeContext
 from sao.models.chat import ChatCodec
-from sao.rollout.agent_loop import EpisodeLimits, open_episode, run_episode
+from sao.rollout.agent_loop import EpisodeLimits, run_episodes
 from sao.runtime.rollout_watch import failure_label
 from sao.types import TRAINABLE, SamplingParams, Status, Task, Trajectory
 
@@ -26,17 +26,6 @@ class EvalResult:
     trajectories: list[Trajectory] = field(default_factory=list)
 
 
-async def _evaluate(engine, environment, codec, tasks, limits, params, version, step) -> list[Trajectory]:
-    async def one(task: Task) -> Trajectory:
-        env = open_episode(environment, EpisodeContext(policy_version=version, trainer_version=step))
-        return await run_episode(env, task, engine, codec, params, limits)
-
-    try:
-        return await asyncio.gather(*(one(t) for t in tasks))
-    finally:
-        await engine.close()
-
-
 def evaluate(model, codec: ChatCodec, environment, tasks: list[Task], limits: EpisodeLimits,
              greedy: bool = True, seed: int = 0, version: int = 0, max_batch: int = 128,
              trainer_step: int = 0, engine=None) -> EvalResult:
@@ -47,7 +36,8 @@ def evaluate(model, codec: ChatCodec, environment, tasks: list[Task], limits: Ep
     if engine is None:
         engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=max_batch, seed=seed, version=version)
     was_training = model.training
-    trajs = asyncio.run(_evaluate(engine, environment, codec, tasks, limits, params, version, trainer_step))
+    trajs = asyncio.run(run_episodes(engine, environment, codec, tasks, params, limits,
+                                     lambda: EpisodeContext(policy_version=version, trainer_version=trainer_step)))
     model.train(was_training)
     statuses: dict[str, int] = {}
     for t in trajs:

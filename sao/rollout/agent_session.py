@@ -1,0 +1,206 @@
+"""One `env.name=agent` episode's calls, matched against its tokens: `AgentSession`.
+
+The worker's HTTP server (sao/rollout/agent_server.py) routes each call to its episode's session by
+API key; the session appends through the episode's `TrajectoryBuilder` (sao/rollout/trajectory.py):
+
+    first call     prompt = chat template of the messages (+ tools)          action_mask 0
+    each call      sampled tokens (engine.generate, session = the episode)   action_mask 1, logprobs, versions
+    later calls    messages[:n] must equal the n messages and replies so far (compared as messages, not
+                   text); only messages[n:] are rendered: the template text after the last reply's
+                   end-of-turn, tokenized alone                              action_mask 0
+                   anything else is a rewritten history: HTTP 409, counted in agent/rewrites, nothing appended
+
+Earlier tokens are never re-tokenized, so the trainer sees exactly what the engine sampled
+(docs/algorithm.md §2). Tool calls: `tools` are passed to the chat template; a reply's
+`<tool_call>{json}</tool_call>` blocks come back as OpenAI `tool_calls` (options.tool_parser).
+Sampling is the rollout's (temperature 1 etc.), whatever the request asks, so behavior log-probs
+stay exact; `max_tokens` is capped by rollout.max_action_tokens. `/v1/completions` works the same
+on raw text (or token-id) prompts that extend the episode's text so far.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import replace
+
+from sao.engine.base import EngineError
+from sao.models.chat import ChatCodec
+from sao.rollout.trajectory import TrajectoryBuilder
+from sao.types import SamplingParams
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+class Refused(Exception):
+    """A call the episode cannot serve; answered with `status` and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def parse_tool_calls(text: str, n_before: int) -> tuple[str | None, list[dict]]:
+    """Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks -> OpenAI tool_calls;
+    a block that is not such JSON stays in the content."""
+    calls = []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+            name, args = call["name"], call.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            continue
+        calls.append({"id": f"call_{n_before + len(calls)}", "type": "function",
+                      "function": {"name": str(name), "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    content = _TOOL_CALL.sub("", text).strip() if calls else text
+    return (content or None), calls
+
+
+def _text(content) -> str:
+    if isinstance(content, list):  # content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def same_message(m: dict) -> tuple:
+    """What must stay equal when an agent sends a message back (ids and null fields aside)."""
+    calls = tuple((c.get("function", {}).get("name"), c.get("function", {}).get("arguments"))
+                  for c in m.get("tool_calls") or ())
+    return m.get("role"), _text(m.get("content")), calls, m.get("tool_call_id") or ""
+
+
+class AgentSession:
+    """One episode's tokens and messages; every call is matched against them."""
+
+    def __init__(self, build: TrajectoryBuilder, engine, codec: ChatCodec, params: SamplingParams, limits,
+                 options) -> None:
+        self.build, self.engine, self.codec, self.limits, self.options = build, engine, codec, limits, options
+        self.traj = build.traj
+        self.params = replace(params, stop_token_ids=(codec.eos_id,))
+        self.messages: list[tuple] = []  # same_message() of every message so far, replies included
+        self.text = ""  # /v1/completions: the episode's text so far
+        self.mode: str | None = None
+        self.calls = self.rewrites = self.tool_calls = 0
+        self.busy = self.closed = False
+        self.truncated = ""  # why a call was refused for a limit
+        self.engine_error = ""
+        self.overhead_s = 0.0  # time in calls outside engine.generate
+
+    def _render(self, messages: list[dict], tools, generation: bool) -> str:
+        extra = {"tools": tools} if tools else {}
+        try:
+            return self.codec.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation,
+                                                            **extra)
+        except Exception as exc:  # jinja's TemplateError, a template's raise_exception(...), a bad message shape
+            raise Refused(400, f"the chat template cannot render these messages: {exc}"[:500], "invalid_request") from None
+
+    def _rewritten(self, why: str) -> Refused:
+        self.rewrites += 1
+        return Refused(409, f"history rewritten: {why}; an episode's calls must extend its earlier messages and replies "
+                       "exactly (a new episode is a new base_url/api_key)", "history_rewritten")
+
+    def _enter(self, mode: str) -> None:
+        if self.closed:
+            raise Refused(410, "this episode has ended", "episode_ended")
+        if self.busy:
+            raise Refused(409, "one call at a time per episode (its tokens are one sequence)", "concurrent_call")
+        if self.mode not in (None, mode):
+            raise Refused(400, f"this episode uses the {self.mode} API; do not mix it with {mode}", "mixed_api")
+        if self.calls >= self.limits.max_turns:
+            self.truncated = "turn limit"
+            raise Refused(400, f"turn limit: rollout.max_turns={self.limits.max_turns} calls per episode", "turn_limit")
+
+    def chat_prompt(self, messages: list[dict], tools) -> list[int]:
+        """The tokens of the messages this call adds (the whole prompt on the first call); nothing is
+        appended before the call is accepted."""
+        if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise Refused(400, "messages: a non-empty list of {role, content} objects", "invalid_request")
+        n = len(self.messages)
+        if n == 0:
+            return self.codec.encode(self._render(messages, tools, True))
+        if len(messages) <= n or [same_message(m) for m in messages[:n]] != self.messages:
+            raise self._rewritten("the first messages differ from the episode's so far")
+        before = self._render(messages[:n], tools, False)
+        after = self._render(messages, tools, True)
+        end = before.rfind(self.codec.eos_text)
+        cut = end + len(self.codec.eos_text)
+        if end < 0 or after[:cut] != before[:cut]:
+            raise self._rewritten("the chat template renders the earlier turns differently (tools changed?)")
+        close = [] if self.traj.token_ids[-1] == self.codec.eos_id else [self.codec.eos_id]  # a reply cut at
+        return close + self.codec.encode(after[cut:])  # max_tokens: its turn is closed by an unsampled eos
+
+    def text_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
+            have = self.traj.token_ids
+            if prompt[: len(have)] != have or (have and len(prompt) <= len(have)):
+                raise self._rewritten("the prompt's token ids do not extend the episode's")
+            return prompt[len(have):]
+        if isinstance(prompt, str):
+            if not prompt.startswith(self.text) or (self.text and len(prompt) == len(self.text)):
+                raise self._rewritten("the prompt does not extend the episode's text")
+            return self.codec.encode(prompt[len(self.text):])
+        raise Refused(400, "prompt: one string or one list of token ids", "invalid_request")
+
+    async def generate(self, new_ids: list[int], max_tokens: int | None):
+        """Append the call's new prompt tokens and sample; a call over the episode's budget appends nothing."""
+        t = self.traj
+        budget = min(max_tokens or self.limits.max_action_tokens, self.limits.max_action_tokens,
+                     self.limits.max_episode_tokens - len(t.token_ids) - len(new_ids))
+        if budget <= 0:
+            self.truncated = "token limit"
+            raise Refused(400, f"token limit: rollout.max_episode_tokens={self.limits.max_episode_tokens}", "token_limit")
+        self.build.context(new_ids)
+        started = time.perf_counter()
+        try:
+            gen = await self.engine.generate(t.token_ids, replace(self.params, max_new_tokens=budget), session=t.id)
+        except EngineError as exc:
+            self.engine_error = str(exc)[:500]
+            raise Refused(500, f"engine error: {exc}"[:500], "engine_error") from None
+        finally:
+            self.overhead_s -= time.perf_counter() - started
+        self.build.sampled(gen)  # one turn per call; a reply cut at max_tokens is the agent's to handle
+        self.calls += 1
+        return gen
+
+    async def chat(self, body: dict) -> dict:
+        self._enter("chat")
+        self.busy = True
+        try:
+            messages, tools = body.get("messages") or [], body.get("tools") or None
+            new_ids = self.chat_prompt(messages, tools)
+            gen = await self.generate(new_ids, body.get("max_completion_tokens") or body.get("max_tokens"))
+            self.mode, self.messages = "chat", [same_message(m) for m in messages]
+            text = self.codec.action_text(gen.token_ids)
+            content, calls = (text, []) if self.options.tool_parser == "none" else parse_tool_calls(text, self.tool_calls)
+            self.tool_calls += len(calls)
+            reply = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            self.messages.append(same_message(reply))
+            finish = "tool_calls" if calls else ("stop" if gen.finish_reason == "stop" else "length")
+            return _completion(self.traj.id, self.calls, body, "chat.completion",
+                               {"index": 0, "message": reply, "finish_reason": finish, "logprobs": None},
+                               len(self.traj.token_ids) - len(gen.token_ids), len(gen.token_ids))
+        finally:
+            self.busy = False
+
+    async def complete(self, body: dict) -> dict:
+        self._enter("completion")
+        self.busy = True
+        try:
+            prompt = body.get("prompt")
+            gen = await self.generate(self.text_prompt(prompt), body.get("max_tokens") or 16)
+            text = self.codec.action_text(gen.token_ids)
+            self.mode = "completion"
+            self.text = (prompt if isinstance(prompt, str) else self.text) + text
+            finish = "stop" if gen.finish_reason == "stop" else "length"
+            return _completion(self.traj.id, self.calls, body, "text_completion",
+                               {"index": 0, "text": text, "finish_reason": finish, "logprobs": None},
+                               len(self.traj.token_ids) - len(gen.token_ids), len(gen.token_ids))
+        finally:
+            self.busy = False
+
+
+def _completion(traj_id: str, n: int, body: dict, kind: str, choice: dict, prompt: int, completion: int) -> dict:
+    return {"id": f"{traj_id}-{n}", "object": kind, "created": int(time.time()), "model": body.get("model") or "sao",
+            "choices": [choice], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                           "total_tokens": prompt + completion}}

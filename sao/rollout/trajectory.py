@@ -1,0 +1,81 @@
+"""One home for building a `Trajectory`: every driver of an episode appends through `TrajectoryBuilder`
+(the turn loop of built-in and OpenEnv environments, and the agent endpoint, sao/rollout/agent_loop.py,
+in every process: rollout workers, sync mode, evaluation, the parity gate), and every episode ends
+through its one status ladder.
+
+    context(ids)     tokens the model did not sample: the prompt (the first ones), observations, an
+                     agent's new messages                                     action_mask 0
+    sampled(gen)     the engine's tokens, with their behavior log-probs and versions; one turn
+                                                                              action_mask 1
+    fail(exc, why)   the status ladder: a timeout -> `timeout` (why), an engine failure -> `engine_error`,
+                     any other exception -> `env_error` (its message kept); a cancellation -> `aborted`,
+                     and it propagates
+    done()           the finished trajectory
+
+Tokens are only ever appended: earlier ones are never re-tokenized (docs/algorithm.md §2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from sao.engine.base import EngineError
+from sao.types import Generation, Status, Trajectory
+
+
+class TrajectoryBuilder:
+    def __init__(self, task_id: str, traj_id: str | None = None):
+        self.traj = Trajectory(id=traj_id or uuid.uuid4().hex[:12], task_id=task_id, token_ids=[], action_mask=[],
+                               behavior_logprobs=[], token_versions=[], prompt_len=0, started_at=time.time())
+
+    @property
+    def id(self) -> str:
+        return self.traj.id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.traj.token_ids
+
+    def context(self, ids: list[int]) -> None:
+        t = self.traj
+        t.token_ids += ids
+        t.action_mask += [0] * len(ids)
+        t.behavior_logprobs += [0.0] * len(ids)
+        t.token_versions += [-1] * len(ids)
+        if not t.prompt_len:
+            t.prompt_len = len(t.token_ids)
+
+    def sampled(self, gen: Generation) -> None:
+        t = self.traj
+        t.token_ids += gen.token_ids
+        t.action_mask += [1] * len(gen.token_ids)
+        t.behavior_logprobs += gen.logprobs
+        t.token_versions += gen.versions
+        t.turns += 1
+
+    def end(self, status: Status, reason: str = "", reward: float | None = None) -> None:
+        t = self.traj
+        t.status, t.status_reason = status, reason
+        if reward is not None:
+            t.reward = float(reward)
+
+    def fail(self, exc: BaseException, timeout: str) -> None:
+        """End the episode by what was raised; a cancellation (the run stopping) and anything that is not
+        an Exception (KeyboardInterrupt) are raised again after the status is set."""
+        if isinstance(exc, asyncio.CancelledError):
+            self.end(Status.ABORTED, "cancelled")
+            raise exc
+        if isinstance(exc, asyncio.TimeoutError):
+            self.end(Status.TIMEOUT, timeout)
+        elif isinstance(exc, EngineError):
+            self.end(Status.ENGINE_ERROR, str(exc)[:500])
+        elif isinstance(exc, Exception):  # the environment's or the agent's own bug ends this episode only
+            self.end(Status.ENV_ERROR, f"{type(exc).__name__}: {exc}"[:500])
+        else:
+            raise exc
+
+    def done(self) -> Trajectory:
+        self.traj.finished_at = time.time()
+        return self.traj
