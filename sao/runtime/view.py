@@ -113,7 +113,7 @@ def trajectories(run: Path, rows: list[dict], limit: int = MAX_TRAJECTORIES) -> 
         out.append({"step": step, "id": t["id"], "task": t["task_id"], "status": t["status"],
                     "reason": t.get("status_reason", ""), "reward": t["reward"], "turns": t["turns"],
                     "lag": rec["lag"] if rec is not None else lag, "traced": rec is not None,
-                    "text": text, "mask": mask, "fields": fields, **extra})
+                    "text": text, "mask": mask, "fields": fields, "metrics": t.get("metrics") or {}, **extra})
     return out
 
 
