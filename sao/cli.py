@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from sao.config import Config, ConfigError, load_config
+from sao.errors import RunStopped, WriteError
 
 USAGE_ERROR = 2
 IO_ERROR = 74  # sysexits.h EX_IOERR: a write failed (a full disk); what was written before is intact
@@ -280,14 +281,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sao: error: {msg}", file=sys.stderr)
             return USAGE_ERROR
         raise
-    except Exception as exc:
-        name = type(exc).__name__
-        if name == "WriteError":  # sao/runtime/run_dir.py: a file of the run could not be written
-            print(f"sao: error: {exc}", file=sys.stderr)
-            return IO_ERROR
-        if name not in ("ParityError", "StalledError", "WorkerCrashLoop", "NonFiniteError", "RankFailed",
-                        "TooManyFailures"):
-            raise
+    except WriteError as exc:  # a file of the run could not be written
+        print(f"sao: error: {exc}", file=sys.stderr)
+        return IO_ERROR
+    except RunStopped as exc:  # the run stopped itself (sao/errors.py lists who raises it)
         print(f"sao: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from sao.errors import RunStopped
 from sao.runtime.episodes import usable_batch
 from sao.runtime.queue import drop_reason, queue_age_s
 from sao.runtime.threads import adaptive_threads
@@ -19,7 +20,7 @@ from sao.trainer.batch import collate
 from sao.types import Trajectory
 
 
-class StalledError(RuntimeError):
+class StalledError(RunStopped):
     """Nothing arrived from the rollout workers for `runtime.receive_timeout_s` seconds."""
 
 

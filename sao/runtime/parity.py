@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 
 from sao.config import Config
+from sao.errors import RunStopped
 from sao.runtime.episodes import PolicyCopy, generate_batch
 from sao.trainer.batch import collate
 from sao.types import SamplingParams
 
 
-class ParityError(RuntimeError):
+class ParityError(RunStopped):
     """Engine and trainer disagree on log-probs: training on such data would be silently wrong."""
 
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable
 
+from sao.errors import RunStopped
 from sao.types import TRAINABLE, Trajectory
 
 TRUNCATED_STEPS = 5
 WARN_FRAC = 0.5
 
 
-class TooManyFailures(RuntimeError):
+class TooManyFailures(RunStopped):
     """Past runtime.max_failed_frac of the last runtime.failure_window finished episodes failed."""
 
 

@@ -27,11 +27,8 @@ import time
 from pathlib import Path
 
 from sao.config import Config, ConfigError, to_yaml
+from sao.errors import WriteError
 from sao.types import Trajectory
-
-
-class WriteError(Exception):
-    """A run's file could not be written (a full disk, a read-only mount): an I/O failure, not bad input."""
 
 
 def write_failure(what: Path | str, exc: BaseException) -> WriteError:

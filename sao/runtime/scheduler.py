@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
+from sao.errors import RunStopped
 from sao.runtime.pacing import Pacing
 from sao.runtime.rollout_watch import RolloutWatch
 from sao.runtime.run_dir import append_line, count_lines, truncate_lines
@@ -25,7 +26,7 @@ ENGINE_RERUNS = 3  # an episode the engine failed is run again this many times b
 START_FAILURES = 3  # a worker that dies this many times in a row before reporting anything stops the run
 
 
-class WorkerCrashLoop(RuntimeError):
+class WorkerCrashLoop(RunStopped):
     """A rollout worker keeps dying before it reports anything (e.g. it cannot load the model)."""
 
 

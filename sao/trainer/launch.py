@@ -11,6 +11,8 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
+from sao.errors import RunStopped
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -18,9 +20,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class RankFailed(Exception):
-    """A trainer rank raised or died; the others were stopped. (Not a RuntimeError: a checkpoint write
-    that fails with one is a failed write, sao/runtime/checkpoint.py; a lost rank is not.)"""
+class RankFailed(RunStopped):
+    """A trainer rank raised or died; the others were stopped."""
 
 
 def spawn_ranks(fn: Callable, world: int, *args) -> None:
