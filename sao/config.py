@@ -110,6 +110,11 @@ class AlgoConfig(Section):
         "critic-based algorithms: no actor update on a batch whose rewards are all equal (the critic still "
         "learns): its advantages are only the critic's error, and Adam turns that noise into full-size "
         "steps; on a solved task they broke the policy within 3 steps (docs/algorithm.md §4)"))
+    max_token_lag: int | None = Field(None, ge=0, description=(
+        "per-token staleness bound, every algorithm: action tokens sampled more than this many policy versions "
+        "before the one being trained get no policy gradient (their advantage is zeroed; they stay in the "
+        "token-mean denominator, as DIS's masked tokens do), counted in lag/masked_token_frac; none: no bound "
+        "(runtime.max_lag bounds whole trajectories)"))
     entropy_coef: float = Field(0.0, ge=0, description=(
         "entropy bonus on action tokens; the paper uses none (0). Opt-in for settings where a tiny policy "
         "saturates and can no longer explore, e.g. the style_shift online benchmark"))

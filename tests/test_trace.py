@@ -134,3 +134,51 @@ def test_a_run_writes_traces_joined_with_its_trajectories(tmp_path):
             assert len(rec["text"]) == len(rec["adv"]) == len(traj["token_ids"])
             assert [v is not None for v in rec["v_after"]] == [bool(m) for m in traj["action_mask"]]
             assert rec["version"] == [v if m else None for v, m in zip(traj["token_versions"], traj["action_mask"])]
+
+
+def test_stale_tokens_by_hand():
+    from sao.algo.core import stale_tokens
+
+    versions = torch.tensor([[-1, 0, 1, 2, -1, 3], [-1, -1, 3, 3, 1, -1]])
+    mask = (versions >= 0).float()
+    got = stale_tokens(versions, mask, version=3, max_lag=1)  # lag = 3 - version; stale when lag > 1
+    assert got.tolist() == [[False, True, True, False, False, False], [False, False, False, False, True, False]]
+    assert not stale_tokens(versions, mask, version=3, max_lag=3).any()
+
+
+@pytest.mark.parametrize("algo", ["sao", "grpo"])
+def test_max_token_lag_takes_stale_tokens_out_of_the_gradient(tiny, tiny_model_dir, algo):
+    """Tokens sampled more than algo.max_token_lag versions ago: advantage 0 in the step (the record shows
+    it), the masked fraction counted, and the DIS loss equals the hand sum over the fresh kept tokens
+    divided by all action tokens."""
+    model, codec = tiny
+    batch = _batches(codec, model, 1)[0]
+    batch.group_ids = ["a", "a", "b", "b"]
+    for i in range(batch.size):  # versions 0..3 along each row's action tokens; the trainer is at version 3
+        on = batch.action_mask[i].bool()
+        batch.versions[i, on] = torch.arange(int(on.sum())) % 4
+    batch.trace_rows = batch.size
+    cfg = AlgoConfig(max_token_lag=1, group_size=2, ppo_minibatches=1)
+    learner = Learner(copy.deepcopy(model), build_critic(tiny_model_dir) if algo == "sao" else None,
+                      get_algorithm(algo), cfg, CriticConfig(warmup_steps=0), TrainConfig(lr=1e-3))
+    learner.actor_version = 3
+    metrics = learner.step(batch)
+    records = metrics.pop("trace")
+    mask = batch.action_mask.bool()
+    stale = mask & (3 - batch.versions > 1)
+    assert metrics["lag/masked_token_frac"] == pytest.approx(float(stale.sum() / mask.sum()))
+    total, kept_sum = 0, 0.0
+    for rec in records:
+        i = rec["row"]
+        for t, (a, s) in enumerate(zip(rec["adv"], rec["stale"])):
+            if a is None:
+                continue
+            total += 1
+            assert s == int(stale[i, t])
+            if s:
+                assert a == 0.0
+            elif algo == "sao" and rec["dis"][t] == 0:
+                kept_sum += rec["ratio"][t] * a * rec["logprob"][t]
+    assert total == int(mask.sum())
+    if algo == "sao":  # -sum_t w_t A_t logpi_t / (all action tokens): stale ones add nothing, still count below
+        assert metrics["loss/policy"] == pytest.approx(-kept_sum / total, rel=1e-4, abs=1e-6)

@@ -71,3 +71,10 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     if var_r.item() < 1e-8:
         return float("nan")
     return float(1.0 - masked_var(returns - values, mask, reduce) / var_r)
+
+
+def stale_tokens(versions: torch.Tensor, action_mask: torch.Tensor, version: int, max_lag: int) -> torch.Tensor:
+    """(B, T) bool: action tokens sampled more than `max_lag` policy versions before `version` (the version
+    the step trains; `versions` holds each token's sampling version, -1 off the actions)."""
+    return action_mask.bool() & (versions >= 0) & (version - versions > max_lag)
+

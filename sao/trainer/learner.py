@@ -32,19 +32,20 @@ from collections.abc import Callable
 import torch
 
 from sao.algo.baselines import RunningMeanBaseline, group_advantages
-from sao.algo.core import LOCAL, explained_variance, masked_mean, masked_var, masked_whiten, token_mean_loss
+from sao.algo.core import LOCAL, explained_variance, masked_mean, masked_var, masked_whiten, stale_tokens, token_mean_loss
 from sao.algo.gae import length_adaptive_lambda, skip_observation_gae, step_level_gae, step_level_values
 from sao.algo.losses import dis_policy_loss, ppo_clip_loss, value_loss
 from sao.algo.registry import Algorithm
 from sao.config import AlgoConfig, CriticConfig, TrainConfig
 from sao.device import autocast, to_device
+from sao.errors import RunStopped
 from sao.models.critic import freeze_parameters
 from sao.trainer.batch import Batch
 from sao.trainer.packing import actor_logprobs, critic_forward, pack
 from sao.trainer.trace import StepTrace
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunStopped):
     """Too many consecutive optimizer steps had a non-finite loss or gradient: the run cannot go on."""
 
 
@@ -296,6 +297,12 @@ class Learner:
                 self.trace.extra["whiten"] = {"mean": metrics["adv/mean_raw"],
                                               "std": max(metrics["adv/std_raw"], self.algo_cfg.whiten_min_std)}
             advantages = masked_whiten(advantages, mask, min_std=self.algo_cfg.whiten_min_std, reduce=self.reduce)
+        if self.algo_cfg.max_token_lag is not None and batch.versions is not None:  # per-token staleness bound
+            stale = stale_tokens(batch.versions, mask, self.actor_version, self.algo_cfg.max_token_lag)
+            metrics["lag/masked_token_frac"] = float(masked_mean(stale.float(), mask, self.reduce))
+            advantages = torch.where(stale, 0.0, advantages)  # no gradient; still in the token-mean denominator
+            if self.trace is not None:
+                self.trace.put("stale", stale.float())
         if self.trace is not None:
             self.trace.put("adv", advantages)
         warmup = self.in_warmup

@@ -20,7 +20,8 @@ observations included, so they align with `token_ids`); entries off the action m
     v_before, v_after    the critic's V(s_t) before its K updates (v0) and after them (v2)
     return               R_t of lambda=1 skip-observation GAE on v0 (the critic's target)
     adv_raw, adv         the advantage before and after whitening (critic-free: the trajectory's
-                         baseline advantage on every action token)
+                         baseline advantage on every action token); 0 on stale tokens
+    stale                1 on tokens older than algo.max_token_lag versions (no gradient), when set
     lambda               the row's lambda_policy (length-adaptive)
     whiten               {"mean", "std"}: the batch statistics whitening used (std after its floor)
     group, group_adv     GRPO-style algorithms: the row's group and its group-relative advantage
@@ -95,7 +96,7 @@ class StepTrace:
             rec = {"row": g, "actor": actor, **self.extra}
             rec.update({name: rows[k] for name, rows in self.scalars.items()})
             rec.update({name: rows[k] for name, rows in self.tokens.items()})
-            for name in ("version", "dis"):
+            for name in ("version", "dis", "stale"):
                 if name in rec:
                     rec[name] = [None if v is None else int(v) for v in rec[name]]
             out.append(rec)
