@@ -41,11 +41,11 @@ def main() -> None:
     from sao.api import as_config
     from sao.envs import make_environment
     from sao.models.chat import ChatCodec
+    from sao.models.quiet import quiet_transformers
     from sao.models.tiny import load_model
     from sao.models.tokenizer import load_tokenizer
     from sao.runtime.episodes import limits_of
     from sao.runtime.evaluate import evaluate
-    from sao.runtime.worker_host import quiet_transformers
 
     cfg = as_config(args.config, args.overrides)
     quiet_transformers()

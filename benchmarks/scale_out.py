@@ -29,6 +29,7 @@ import torch
 
 from sao.config import load_config
 from sao.envs import make_environment
+from sao.models.quiet import quiet_transformers
 from sao.models.tiny import load_model
 from sao.runtime.backend import make_backend
 from sao.runtime.episodes import limits_of
@@ -36,7 +37,6 @@ from sao.runtime.model_setup import prepare_base_model
 from sao.runtime.pacing import Pacing
 from sao.runtime.queue import TrajectoryQueue
 from sao.runtime.scheduler import Audit, Scheduler, TaskStream
-from sao.runtime.worker_host import quiet_transformers
 
 
 def measure(cfg, model_path, seconds: float) -> dict:

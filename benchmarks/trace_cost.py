@@ -27,9 +27,9 @@ import train_step  # noqa: E402  (benchmarks/train_step.py: sampling and learner
 
 from sao.config import load_config  # noqa: E402
 from sao.models.critic import build_critic  # noqa: E402
+from sao.models.quiet import quiet_transformers  # noqa: E402
 from sao.models.tiny import load_model  # noqa: E402
 from sao.runtime.run_dir import RunDir  # noqa: E402
-from sao.runtime.worker_host import quiet_transformers  # noqa: E402
 from sao.trainer.batch import collate  # noqa: E402
 
 

@@ -34,11 +34,11 @@ from sao.engine.torch_engine import TorchEngine
 from sao.envs import make_environment
 from sao.models.chat import ChatCodec
 from sao.models.critic import build_critic, freeze_parameters
+from sao.models.quiet import quiet_transformers
 from sao.models.tiny import load_model
 from sao.models.tokenizer import load_tokenizer
 from sao.runtime.episodes import limits_of, usable_batch
 from sao.runtime.model_setup import prepare_base_model
-from sao.runtime.worker_host import quiet_transformers
 from sao.trainer.batch import collate
 from sao.trainer.learner import Learner
 

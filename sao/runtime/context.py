@@ -202,7 +202,7 @@ def rank_learner(cfg: Config, model_path: str, ckpt: str | None):
     shards from it, so no rank but rank 0 ever holds a whole model."""
     import torch.distributed as dist
 
-    from sao.runtime.worker_host import quiet_transformers
+    from sao.models.quiet import quiet_transformers
     from sao.trainer.distributed import DistributedLearner
     from sao.trainer.sharded_checkpoint import load_sharded
 
@@ -222,7 +222,7 @@ def rank_learner(cfg: Config, model_path: str, ckpt: str | None):
 def critic_learner(cfg: Config, model_path: str, ckpt: str | None) -> Learner:
     """The critic's process's learner (critic.placement=separate; module-level: it travels to the spawned
     process): the critic alone, built as `build_models` builds it, no actor."""
-    from sao.runtime.worker_host import quiet_transformers
+    from sao.models.quiet import quiet_transformers
 
     quiet_transformers()  # a spawned process starts with transformers' defaults
     critic = build_critic_model(cfg, Path(model_path), Path(ckpt) if ckpt is not None else None)

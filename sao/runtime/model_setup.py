@@ -162,7 +162,7 @@ def build_child() -> None:
         channel.write(pickle.dumps(message).hex() + "\n")
         channel.flush()
 
-    from sao.runtime.worker_host import quiet_transformers
+    from sao.models.quiet import quiet_transformers
 
     quiet_transformers()
     ThreadPlan(cfg.runtime).setup()  # the parent's setup phase: nothing else runs yet

@@ -23,10 +23,12 @@ from sao.trainer.batch import collate
 from sao.trainer.critic_pretrain import fit_critic
 
 
-def pretrain_critic(cfg: Config, steps: int, out: Path, progress=None) -> dict:
+def pretrain_critic(cfg: Config, steps: int, out: Path, progress=None, environment=None) -> dict:
+    """`environment`: what the caller's preflight returned (the CLI runs it first); without it, preflight
+    runs here."""
     if out.exists():
         raise ConfigError(f"--out: {str(out)!r} exists already; choose another folder")
-    environment = preflight(cfg)
+    environment = environment if environment is not None else preflight(cfg)
     model_path, _ = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps) if progress else None)
     codec = ChatCodec(load_tokenizer(model_path))
     actor = load_model(model_path)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from sao.config import Config
+from sao.models.quiet import quiet_transformers
 from sao.runtime import checkpoint, context, parity
 from sao.runtime.backend import make_backend
 from sao.runtime.evaluate import Evaluator
@@ -33,7 +34,6 @@ from sao.runtime.progress import RunProgress
 from sao.runtime.run_dir import WriteError
 from sao.runtime.signals import stop_on_signals
 from sao.runtime.threads import ThreadPlan
-from sao.runtime.worker_host import quiet_transformers
 
 
 @dataclass

@@ -7,11 +7,11 @@ trainer's assignments and forwards the records the host `send`s (Finished, Worke
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sao.models.quiet import quiet_transformers
 from sao.types import Assignment, Finished, Record, SamplingParams, Status, WorkerStats
 
 
@@ -34,15 +34,6 @@ def reseed(spec: WorkerSpec) -> WorkerSpec:
     from dataclasses import replace
 
     return replace(spec, seed=spec.seed + 100_003)
-
-
-def quiet_transformers() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 class WorkerHost:

@@ -25,9 +25,8 @@ class Batch:
     rewards: torch.Tensor  # (B, T) the outcome reward on the last action token
     scalar_rewards: torch.Tensor  # (B,)
     num_action_tokens: torch.Tensor  # (B,)
-    task_ids: list[str]
     prompt_keys: list[str]  # a digest of the prompt's token ids: the same prompt drawn twice, the same key
-    group_ids: list[str]  # the group key: task ids are unique per draw, shared by a group's G rollouts
+    group_ids: list[str]  # each row's task id: unique per draw, shared by a group's G rollouts (the group key)
     packing: Packing | None = None  # None: model passes run on the padded (B, T) batch
     versions: torch.Tensor | None = None  # (B, T) long: the policy version that sampled each token, -1 elsewhere
     trace_rows: int = 0  # the trainer records per-token values for rows 0..trace_rows-1 (sao/trainer/trace.py)
@@ -47,7 +46,7 @@ class Batch:
         return Batch(
             self.input_ids[idx], self.attention_mask[idx], self.action_mask[idx], self.behavior_logprobs[idx],
             self.rewards[idx], self.scalar_rewards[idx], self.num_action_tokens[idx],
-            [self.task_ids[i] for i in pick], [self.prompt_keys[i] for i in pick], [self.group_ids[i] for i in pick],
+            [self.prompt_keys[i] for i in pick], [self.group_ids[i] for i in pick],
             versions=None if self.versions is None else self.versions[idx], trace_rows=self.trace_rows,
         )
 
@@ -79,7 +78,6 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
         rewards=rewards,
         scalar_rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         num_action_tokens=action_mask.sum(1),
-        task_ids=[t.task_id for t in trajectories],
         prompt_keys=[prompt_key(t) for t in trajectories],
         group_ids=[t.task_id for t in trajectories],
         versions=versions,
