@@ -34,7 +34,10 @@ def test_bf16_learner_step_keeps_float32_master_weights(tiny, tiny_model_dir):
     assert all(p.dtype == torch.float32 for p in list(model.parameters()) + list(critic.parameters()))
     assert learner.actor_version == 1 and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(torch.isfinite(torch.tensor(v)) for v in m.values() if isinstance(v, float))
-    assert m["dis/masked_low_frac"] < 0.5  # bf16 vs the fp32 behavior log-probs: close, not exact
+    # bf16 against the fp32 behavior log-probs: close, not exact. Measured (2026-12-05): the bf16 engine's
+    # log-probs are within 1.4e-3 nats of fp32 (tests/test_engine.py), far inside DIS's band (eps 0.3/5.0)
+    assert m["dis/masked_low_frac"] == 0.0 and m["dis/masked_high_frac"] == 0.0
+    assert abs(m["dis/ratio_mean"] - 1.0) < 1e-2, m["dis/ratio_mean"]
 
 
 def test_to_device_moves_tensor_fields_only(tiny):

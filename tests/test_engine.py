@@ -289,4 +289,6 @@ def test_bf16_autocast_path_runs_with_fp32_master_weights(tiny):
     full = torch.tensor([ids + gen.token_ids])
     with torch.no_grad():
         lp = sequence_logprobs(model, full, torch.ones_like(full))[0, len(ids):]
-    assert torch.allclose(lp, torch.tensor(gen.logprobs), atol=0.1)  # bf16 matmuls vs the fp32 trainer
+    # bf16 matmuls vs the fp32 trainer: measured (2026-12-05, 10 seeds x 16 tokens) at most 1.4e-3 nats
+    # (5e-4 against the same forward under bf16 autocast); 1e-2 leaves ~7x room and still catches a real bug
+    assert torch.allclose(lp, torch.tensor(gen.logprobs), atol=1e-2)
