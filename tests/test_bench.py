@@ -137,6 +137,13 @@ def test_wallclock_quick_preset_writes_every_file(tmp_path, monkeypatch):
     assert "accuracy_at_equal_wall" in res and (out / "curves.png").stat().st_size > 10_000
     md = (out / "results.md").read_text()
     assert "| `grpo_async` |" in md and "sao train" in md
+    # every variant's final accuracy with its interval over the held-out games (evals/ of each run), in the
+    # table too; grpo_sync is compared with sao_sync paired (same settings, algo.name=sao)
+    for v in res["variants"].values():
+        c = v["final_accuracy_ci95"]
+        assert c["ci95"][0] <= c["mean"] <= c["ci95"][1] and c["seeds"] == 1
+    assert res["paired_vs_reference"]["grpo_sync"]["reference"] == "sao_sync"
+    assert "final, mean [95% CI]" in md and "Paired against the same settings with SAO" in md
     # the same folder again (an interrupted bench, or a changed analysis): finished runs are reused, not re-run
     from sao.bench.run import _previous_records, finished_run
 

@@ -49,6 +49,7 @@ def load_run(run_dir: Path) -> dict:
     run["eval_accuracy"] = [r["eval/accuracy"] for r in evals]
     run["eval_wall_s"] = [0.0 if r["step"] == 0 else wall_at.get(r["step"], None) for r in evals]
     run["eval_rows"] = evals
+    run["final_games"] = final_games(Path(run_dir))
     last = steps[-1] if steps else {}
     run["gen_total_s"], run["train_total_s"] = last.get("perf/gen_total_s"), last.get("perf/train_total_s")
     # a policy loss logged as null/NaN/inf (a critic warm-up step logs none), or a step the trainer
@@ -133,3 +134,55 @@ def recovery(steps: list[int], rewards: list[float], starts: list[int], recover_
 def mean(xs: list) -> float | None:
     xs = [x for x in xs if _finite(x)]
     return sum(xs) / len(xs) if xs else None
+
+
+# --- intervals: bootstrap over held-out games and seeds ------------------------------------------------
+
+BOOTSTRAP = 2000  # resamples; the intervals' own noise at this count is ~0.005 on a 0..1 accuracy
+
+
+def final_games(run_dir: Path) -> dict[str, float] | None:
+    """task -> score of the run's last held-out evaluation (evals/step_N.json, written by the runtime),
+    failed episodes left out; None for a run without one (or written before per-game results existed)."""
+    files = sorted((Path(run_dir) / "evals").glob("step_*.json"))
+    if not files:
+        return None
+    games = json.loads(files[-1].read_text())["games"]
+    out: dict[str, float] = {}
+    for i, g in enumerate(games):
+        if g["score"] is not None:
+            out[g["task"] if g["task"] not in out else f"{g['task']}#{i}"] = float(g["score"])
+    return out
+
+
+def bootstrap(per_seed: list[list[float]], n: int = BOOTSTRAP, seed: int = 0) -> tuple[float, float, float] | None:
+    """(mean, 2.5th, 97.5th percentile) of the mean over seeds of each seed's mean over games, resampling
+    seeds and, within each drawn seed, its games (a two-level bootstrap: both sources of noise). With
+    paired differences as the values it is the paired comparison."""
+    import numpy as np
+
+    arrays = [np.asarray(v, dtype=float) for v in per_seed if len(v)]
+    if not arrays:
+        return None
+    rng = np.random.default_rng(seed)
+    s = len(arrays)
+    # for every seed, an (n, s) table of resampled game means: slot j of replicate r, if it draws this seed
+    means = np.stack([a[rng.integers(0, len(a), size=(n, s, len(a)))].mean(-1) for a in arrays])  # (S, n, s)
+    pick = rng.integers(0, s, size=(n, s))  # which seed each slot of each replicate draws
+    reps = means[pick, np.arange(n)[:, None], np.arange(s)[None, :]].mean(1)
+    point = float(np.mean([a.mean() for a in arrays]))
+    lo, hi = np.percentile(reps, [2.5, 97.5])
+    return point, float(lo), float(hi)
+
+
+def paired_differences(runs: dict[int, dict], ref: dict[int, dict]) -> list[list[float]]:
+    """Per seed both ran, the per-game score differences on the held-out games both evaluated."""
+    out = []
+    for seed in sorted(set(runs) & set(ref)):
+        a, b = runs[seed].get("final_games"), ref[seed].get("final_games")
+        if a and b:
+            common = sorted(set(a) & set(b))
+            if common:
+                out.append([a[k] - b[k] for k in common])
+    return out
+

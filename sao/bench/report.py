@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sao.bench.analysis import accuracy_at, collapse, mean, moving_average, recovery, time_to_target
+from sao.bench.analysis import (
+    accuracy_at,
+    bootstrap,
+    collapse,
+    mean,
+    moving_average,
+    paired_differences,
+    recovery,
+    time_to_target,
+)
 
 
 def _r(x, nd=4):
@@ -40,6 +49,44 @@ def summarize_run(run: dict, analysis: dict, starts: list[int] | None) -> dict:
     return out
 
 
+def _algo(overrides: list[str]) -> str:
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith("algo.name=")), "sao")
+
+
+def reference_of(exp, name: str, algo: str = "sao") -> str | None:
+    """The variant this one is compared with, paired: the same settings but algo.name=`algo` (the same task,
+    seeds and held-out games), or None (it is that variant, or the experiment has none like it)."""
+    own = exp.variants[name]
+    rest = sorted(o for o in own if not o.startswith("algo.name="))
+    if _algo(own) == algo:
+        return None
+    return next((n for n, o in exp.variants.items() if _algo(o) == algo
+                 and sorted(x for x in o if not x.startswith("algo.name=")) == rest), None)
+
+
+def intervals(exp, runs: dict[str, dict[int, dict]]) -> tuple[dict, dict]:
+    """Per variant the final held-out accuracy's 95% interval (bootstrap over games and seeds), and per
+    variant with a reference (`reference_of`) the paired difference to it with its interval."""
+    ci = {}
+    for name, by_seed in runs.items():
+        games = [list(r["final_games"].values()) for r in by_seed.values() if r.get("final_games")]
+        got = bootstrap(games)
+        if got:
+            ci[name] = {"mean": _r(got[0]), "ci95": [_r(got[1]), _r(got[2])], "seeds": len(games),
+                        "games_per_seed": sorted({len(g) for g in games})}
+    paired = {}
+    for name in runs:
+        ref = reference_of(exp, name, exp.analysis.get("reference_algo", "sao")) if name in exp.variants else None
+        if ref is None or ref not in runs:
+            continue
+        diffs = paired_differences(runs[name], runs[ref])
+        got = bootstrap(diffs)
+        if got:
+            paired[name] = {"reference": ref, "diff": _r(got[0]), "ci95": [_r(got[1]), _r(got[2])],
+                            "seeds": len(diffs), "outside_noise": got[1] > 0 or got[2] < 0}
+    return ci, paired
+
+
 def summarize(exp, runs: dict[str, dict[int, dict]], infos: list[dict], starts: list[int] | None,
               preset: str) -> dict:
     """results.json: per variant its per-seed figures and their means, plus experiment-level figures."""
@@ -49,6 +96,11 @@ def summarize(exp, runs: dict[str, dict[int, dict]], infos: list[dict], starts: 
         variants[name] = {"per_seed": per_seed, "final_accuracy_mean": _r(mean([s["final_accuracy"] for s in per_seed.values()])),
                           "collapse_steps": [s["collapse_step"] for s in per_seed.values()]}
     extra: dict = {}
+    ci, paired = intervals(exp, runs)
+    for name, c in ci.items():
+        variants[name]["final_accuracy_ci95"] = c
+    if paired:
+        extra["paired_vs_reference"] = paired
     overlap = [o if isinstance(o, dict) else {"async": o[0], "sync": o[1]} for o in exp.analysis.get("overlap", [])]
     timing_only = {o["rollout_only"] for o in overlap if o.get("rollout_only")}  # measure time, do not train
     walls = [s["train_wall_s"] for n, v in variants.items() if n not in timing_only
@@ -111,7 +163,7 @@ def failed_runs(res: dict) -> list[dict]:
 def markdown(res: dict) -> str:
     has_target = "target_accuracy" in res["analysis"]
     has_rec = res["phase_starts"] and "recovery" in res["analysis"]
-    head = ["variant", "held-out start -> final (per seed)", "best", "collapse step", "train wall s",
+    head = ["variant", "held-out start -> final (per seed)", "final, mean [95% CI]", "best", "collapse step", "train wall s",
             "DIS masked", "PPO clipfrac", "expl. var.", "lag"]
     if has_target:
         head.append(f"wall s to {res['analysis']['target_accuracy']}")
@@ -121,7 +173,9 @@ def markdown(res: dict) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, v in res["variants"].items():
         ps = v["per_seed"].values()
+        c = v.get("final_accuracy_ci95")
         row = [f"`{name}`", "; ".join(f"{_fmt(s['start_accuracy'])} -> {_fmt(s['final_accuracy'])}" for s in ps),
+               f"{_fmt(c['mean'])} [{_fmt(c['ci95'][0])}, {_fmt(c['ci95'][1])}]" if c else "-",
                "; ".join(_fmt(s["best_accuracy"]) for s in ps),
                "; ".join(f"{s['collapse_step']} ({s['collapse_reason']})" if s["collapse_step"] else "none" for s in ps),
                "; ".join(_fmt(s["train_wall_s"]) for s in ps), "; ".join(_fmt(s["dis_masked_mean"], True) for s in ps),
@@ -133,6 +187,13 @@ def markdown(res: dict) -> str:
         if has_rec:
             row.append("; ".join(str(s["recovery_steps"]) for s in ps))
         lines.append("| " + " | ".join(row) + " |")
+    if res.get("paired_vs_reference"):
+        lines += ["", "Paired against the same settings with SAO (same seeds and held-out games; per-game score "
+                  "differences, bootstrap over games and seeds, 95% interval):", ""]
+        for name, p in res["paired_vs_reference"].items():
+            verdict = "outside the noise" if p["outside_noise"] else "within the noise"
+            lines.append(f"- `{name}` - `{p['reference']}`: {p['diff']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] "
+                         f"over {p['seeds']} seed(s): {verdict}")
     failed = failed_runs(res)
     if failed:
         lines += ["", "**Failed runs** (their figures above are what they wrote before failing):", ""]
@@ -184,8 +245,10 @@ def plot(res: dict, runs: dict[str, dict[int, dict]], out: Path) -> None:
                 xs, ys = zip(*pts)
                 if key == "reward":
                     ys = moving_average(list(ys), 10)
+                ci = res["variants"].get(name, {}).get("final_accuracy_ci95")
+                label = f"{name}: final {ci['mean']:.2f} [{ci['ci95'][0]:.2f}, {ci['ci95'][1]:.2f}]" if ci else name
                 ax.plot(xs, ys, color=f"C{c}", lw=1, alpha=0.8, marker="o" if key == "eval_accuracy" else None,
-                        ms=2, label=name if i == 0 else None)
+                        ms=2, label=label if i == 0 else None)
         for s in (res["phase_starts"] or [])[1:]:
             if xkey in ("step", "eval_step"):
                 ax.axvline(s, color="grey", lw=0.8, ls="--")

@@ -83,6 +83,7 @@ class Evaluator:
                               f"({failed_summary(res.trajectories)}); eval/accuracy is over the other "
                               f"{res.n - res.failed}, eval/failed counts them")
         ctx.run.log(step, row)
+        ctx.run.write_eval_games(step, res.trajectories)  # per game, for intervals over games (sao bench)
         ctx.run.write_trajectories(step, res.trajectories[: cfg.output.trajectories_per_dump], ctx.codec.decode,
                                    prefix="eval_step")
         ctx.progress.set_eval(res.accuracy, step=step)

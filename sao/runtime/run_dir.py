@@ -6,6 +6,7 @@
       tb/                    TensorBoard event files with the same scalars (output.report_to: also wandb/, trackio)
       trajectories/          step_000010.txt (readable, action/observation split) + .jsonl (token level)
       traces/                step_000010.jsonl: what the trainer computed per token for some of them (`sao view`)
+      evals/                 step_000050.json: every held-out episode's task, status and score (intervals in `sao bench`)
       checkpoints/<tag>/     actor/ and critic/ in HF format (sao/runtime/checkpoint.py)
       summary.json           before/after held-out accuracy and run totals
       plots/                 written by `sao report`
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from sao.config import Config, ConfigError, to_yaml
 from sao.errors import WriteError
-from sao.types import Trajectory
+from sao.types import TRAINABLE, Status, Trajectory
 
 
 def write_failure(what: Path | str, exc: BaseException) -> WriteError:
@@ -157,6 +158,18 @@ class RunDir:
             tmp.unlink(missing_ok=True)
             raise write_failure(path, exc) from None
         tmp.rename(path)
+
+    def write_eval_games(self, step: int, trajs: list[Trajectory]) -> None:
+        """evals/step_N.json: every held-out episode's task, status and score (what eval/accuracy averages:
+        the reward of an `ok` episode, 0 for a truncated one; failed ones are listed, not scored)."""
+        games = [{"task": t.task_id, "status": t.status.value,
+                  "score": (t.reward if t.status == Status.OK else 0.0) if t.status in TRAINABLE else None}
+                 for t in trajs]
+        try:
+            (self.path / "evals").mkdir(exist_ok=True)
+        except OSError as exc:
+            raise write_failure(self.path / "evals", exc) from None
+        self.write_json(f"evals/step_{step:06d}.json", {"step": step, "games": games})
 
     def write_json(self, name: str, data: dict) -> None:
         tmp = self.path / (name + ".partial")
