@@ -163,6 +163,41 @@ async def async_agent(task, base_url, api_key):
     return {"reward": 1.0 if reply.choices[0].message.content is not None else 0.0}
 
 
+def nan_reward_agent(task, base_url, api_key):
+    openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(
+        model="sao", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    return {"reward": float("nan"), "extra": float("inf")}
+
+
+def hostile_requests_agent(task, base_url, api_key):
+    """Requests that must be refused with 4xx before they reach the engine (or blow the worker's memory),
+    then one good call."""
+    import httpx
+
+    head = {"Authorization": f"Bearer {api_key}"}
+    good = [{"role": "user", "content": task["prompt"]}]
+    with httpx.Client(base_url=base_url, headers=head, timeout=30) as http:
+        for bad in (float("nan"), -1, "5", True, 1.5):
+            body = json.dumps({"model": "sao", "messages": good, "max_tokens": bad})  # NaN: json's own extension
+            r = http.post("/chat/completions", content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and "max_tokens" in r.text, (bad, r.status_code, r.text)
+        r = http.post("/completions", json={"model": "sao", "prompt": [1, 2, 10**9], "max_tokens": 2})
+        assert r.status_code == 400 and "token ids" in r.text, r.text
+        r = http.post("/completions", json={"model": "sao", "prompt": [1, -5], "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        deep = "[" * 100_000 + "]" * 100_000
+        r = http.post("/chat/completions", content=deep, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        r = http.post("/chat/completions", json={"model": "sao", "messages": [{"role": "user", "content": {"x": 1}}]})
+        assert r.status_code == 400, r.text  # a wrong type: refused, not a 500 and not served
+        r = http.post("/chat/completions", content=b"{" + b" " * (9 << 20) + b"}",
+                      headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.status_code
+    openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).completions.create(
+        model="sao", prompt=[5, 6, 7], max_tokens=3)
+    return 1.0
+
+
 # -- helpers ---------------------------------------------------------------------------------------------
 
 
@@ -174,10 +209,10 @@ def tasks(tmp_path):
     return path
 
 
-def run(tasks, agent, engine, codec, **options):
+def run(tasks, agent, engine, codec, action_tokens: int = 8, **options):
     environment = make_environment("agent", {"path": str(tasks), "agent": f"test_agent_env:{agent}", **options}, seed=0)
     task = next(environment.train_tasks())
-    limits = EpisodeLimits(max_turns=4, max_action_tokens=8, max_episode_tokens=250, step_timeout_s=5)
+    limits = EpisodeLimits(max_turns=4, max_action_tokens=action_tokens, max_episode_tokens=250, step_timeout_s=5)
 
     async def go():
         traj = await run_episode(environment.new_episode(EpisodeContext()), task, engine, codec, SamplingParams(), limits)
@@ -229,7 +264,7 @@ def test_tool_calls_round_trip_through_the_openai_client(tiny, tasks):
     _, codec = tiny
     call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
     engine = Scripted(codec, [call, "5"])
-    traj, task = run(tasks, "tool_agent", engine, codec)
+    traj, task = run(tasks, "tool_agent", engine, codec, action_tokens=96)  # scripted replies: no budget
     assert (traj.status, traj.reward, traj.metrics["agent/tool_calls"]) == (Status.OK, 1.0, 1), traj.status_reason
     p1 = codec.prompt_ids([{"role": "user", "content": task.prompt}])
     assert traj.token_ids == p1 + codec.action_ids(call) + codec.observation_ids("5", "tool") + codec.action_ids("5")
@@ -454,3 +489,35 @@ def test_sao_train_on_an_openai_agent_with_vllm(tmp_path_factory, tasks, tmp_pat
 class _Traj:
     def __init__(self, row):
         self.token_ids, self.action_mask, self.prompt_len = row["token_ids"], row["action_mask"], row["prompt_len"]
+
+
+def test_an_agent_reward_that_is_not_finite_is_an_env_error(tiny, tasks):
+    model, codec = tiny
+    traj, _ = run(tasks, "nan_reward_agent", TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=4, seed=0), codec)
+    assert traj.status == Status.ENV_ERROR and "reward nan is not finite" in traj.status_reason, traj.status_reason
+
+
+def test_hostile_requests_are_refused_and_never_end_another_episode(tiny, tasks):
+    """On one worker's engine, an agent sending out-of-vocabulary ids, non-finite or negative max_tokens,
+    deep JSON and an oversized body gets 4xx for each; the agent beside it finishes normally."""
+    model, codec = tiny
+    environment = make_environment("agent", {"path": str(tasks), "agent": "test_agent_env:hostile_requests_agent"},
+                                   seed=0)
+    calm = make_environment("agent", {"path": str(tasks), "agent": "test_agent_env:three_calls"}, seed=0)
+    task, other = list(zip(environment.train_tasks(), range(2)))[0][0], list(zip(calm.train_tasks(), range(2)))[1][0]
+    engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=4, seed=0)
+    limits = EpisodeLimits(max_turns=4, max_action_tokens=8, max_episode_tokens=250, step_timeout_s=60)
+
+    async def go():
+        try:
+            return await asyncio.gather(
+                run_episode(environment.new_episode(EpisodeContext()), task, engine, codec, SamplingParams(), limits),
+                run_episode(calm.new_episode(EpisodeContext()), other, engine, codec, SamplingParams(), limits))
+        finally:
+            await engine.close()
+
+    hostile, normal = asyncio.run(go())
+    assert hostile.status in (Status.OK, Status.TRUNCATED), hostile.status_reason
+    assert hostile.metrics["agent/calls"] == 1  # only the good call reached the engine
+    assert normal.status == Status.OK and normal.metrics["agent/calls"] == 3, normal.status_reason
+

@@ -87,7 +87,8 @@ class ScriptedEngine:
 
 
 def episode(environment, codec, replies, **limits):
-    limits = {"max_episode_tokens": 4096, **limits}  # the scripted engine has no context limit
+    # the scripted engine has no context limit and ignores the action budget (a real engine never does)
+    limits = {"max_episode_tokens": 4096, "max_action_tokens": 64, **limits}
     task = next(environment.train_tasks())
     env = environment.new_episode(EpisodeContext())
     return asyncio.run(run_episode(env, task, ScriptedEngine(codec, replies), codec, SamplingParams(),

@@ -39,7 +39,8 @@ class ScriptedEngine:
 
 def _play(environment, task, codec, commands, max_turns):
     engine = ScriptedEngine(codec, commands)
-    limits = EpisodeLimits(max_turns=max_turns, max_action_tokens=64, max_episode_tokens=4096)
+    # scripted commands ignore the budget (a real engine never does): room for the longest walkthrough command
+    limits = EpisodeLimits(max_turns=max_turns, max_action_tokens=128, max_episode_tokens=4096)
     return asyncio.run(run_episode(environment.new_episode(None), task, engine, codec, SamplingParams(), limits))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import secrets
 import shlex
@@ -17,7 +18,7 @@ from sao.models.chat import ChatCodec
 from sao.rollout.agent_server import endpoint
 from sao.rollout.agent_session import AgentSession
 from sao.rollout.env_calls import call_env
-from sao.rollout.trajectory import TrajectoryBuilder
+from sao.rollout.trajectory import TrajectoryBuilder, finite_reward
 from sao.types import SamplingParams, Status, Task
 
 
@@ -48,12 +49,13 @@ async def run_command(argv: list[str], env: dict, timeout: float):
 
 def reward_of(result, task_row: dict, reward_fn) -> tuple[float, dict[str, float]]:
     if reward_fn is not None:
-        return float(reward_fn(task_row, result)), {}
+        return finite_reward(reward_fn(task_row, result)), {}
     if isinstance(result, dict) and isinstance(result.get("reward"), (int, float)):
-        extra = {f"agent/{k}": float(v) for k, v in result.items() if k != "reward" and isinstance(v, (int, float))}
-        return float(result["reward"]), extra
+        extra = {f"agent/{k}": float(v) for k, v in result.items() if k != "reward" and isinstance(v, (int, float))
+                 and not isinstance(v, bool) and math.isfinite(v)}
+        return finite_reward(result["reward"]), extra
     if isinstance(result, (int, float)) and not isinstance(result, bool):
-        return float(result), {}
+        return finite_reward(result), {}
     raise AgentFailed(f"the agent returned {str(result)[:100]!r}, not a reward; return a number or "
                       "{'reward': x}, or set env.options.reward")
 

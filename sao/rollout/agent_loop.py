@@ -26,6 +26,7 @@ A plain (synchronous) env step runs in its own daemon thread (sao/rollout/env_ca
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, replace
 
 from sao.engine.base import Engine
@@ -34,7 +35,7 @@ from sao.envs.base import Env
 from sao.models.chat import ChatCodec
 from sao.rollout.agent_episode import drive_agent
 from sao.rollout.env_calls import call_env, close_env, hung_steps, open_episode
-from sao.rollout.trajectory import TrajectoryBuilder
+from sao.rollout.trajectory import TrajectoryBuilder, finite_reward
 from sao.types import SamplingParams, Status, Task, Trajectory
 
 __all__ = ["EpisodeLimits", "hung_steps", "open_episode", "run_episode", "run_episodes"]
@@ -48,6 +49,20 @@ class EpisodeLimits:
     step_timeout_s: float = 30.0
 
 
+CHARS_PER_TOKEN_BOUND = 64  # no tokenizer's token is longer: text past budget x this cannot fit
+
+
+def bounded_observation(codec: ChatCodec, text, room: int) -> list[int] | None:
+    """The observation's tokens if they fit in `room` tokens, else None. An untrusted observation may be
+    huge: it is cut to what could possibly fit before it is tokenized, so this takes bounded time."""
+    text = str(text)
+    limit = max(room, 0) * CHARS_PER_TOKEN_BOUND + 256
+    if len(text) > limit:
+        return None
+    ids = codec.observation_ids(text)
+    return ids if len(ids) <= room else None
+
+
 async def drive_turns(env: Env, task: Task, build: TrajectoryBuilder, engine: Engine, codec: ChatCodec,
                       params: SamplingParams, limits: EpisodeLimits) -> None:
     """reset, then generate and step until done or a limit; the environment is closed at the end."""
@@ -57,6 +72,10 @@ async def drive_turns(env: Env, task: Task, build: TrajectoryBuilder, engine: En
         if hasattr(env, "open"):  # waits for a resource the environment shares (a server's free session)
             await env.open()
         messages = await call_env(env.reset, task, timeout=limits.step_timeout_s)
+        size = sum(len(str(m.get("content", ""))) for m in messages) if isinstance(messages, list) else 0
+        if size > limits.max_episode_tokens * CHARS_PER_TOKEN_BOUND + 256:  # refused before tokenizing it
+            raise ValueError(f"the reset prompt has {size} characters, more than rollout.max_episode_tokens="
+                             f"{limits.max_episode_tokens} tokens can hold")
         build.context(codec.prompt_ids(messages))
         build.end(Status.TRUNCATED, "turn limit")
         for _ in range(limits.max_turns):
@@ -70,12 +89,18 @@ async def drive_turns(env: Env, task: Task, build: TrajectoryBuilder, engine: En
                 traj.status_reason = "action token limit"
                 break
             result = await call_env(env.step, codec.action_text(gen.token_ids), timeout=limits.step_timeout_s)
-            traj.metrics.update({k: float(v) for k, v in result.info.items() if isinstance(v, (int, float))})
-            traj.reward = float(result.reward)  # kept if the episode is truncated next (partial credit, else 0)
+            traj.metrics.update({k: float(v) for k, v in result.info.items()  # finite numbers only
+                                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)})
+            traj.reward = finite_reward(result.reward)  # kept if truncated next (partial credit, else 0)
             if result.done:
                 build.end(Status.OK, "", result.reward)
                 break
-            build.context(codec.observation_ids(result.observation))
+            room = limits.max_episode_tokens - len(build.token_ids)
+            observation = bounded_observation(codec, result.observation, room)
+            if observation is None:  # it would not fit: the episode ends here, truncated (nothing appended)
+                traj.status_reason = "observation over the token budget"
+                break
+            build.context(observation)
     except BaseException as exc:
         build.fail(exc, f"environment step over {limits.step_timeout_s}s")
     finally:
@@ -90,7 +115,7 @@ async def run_episode(env: Env, task: Task, engine: Engine, codec: ChatCodec, pa
         await driver(env, task, build, engine, codec, params, limits)
     finally:
         engine.release(build.id)
-    return build.done()
+    return build.done(limits)
 
 
 async def run_episodes(engine: Engine, environment, codec: ChatCodec, tasks: list[Task], params: SamplingParams,

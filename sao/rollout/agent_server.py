@@ -15,6 +15,25 @@ import time
 
 from sao.rollout.agent_session import AgentSession, Refused
 
+MAX_BODY_BYTES = 8 << 20  # a request body past this is refused (413) while it streams in, never buffered whole
+
+
+async def read_json(request, limit: int = MAX_BODY_BYTES):
+    """The request's JSON body, read up to `limit` bytes (a larger one is refused with 413 as soon as it
+    says so or passes the limit); deep nesting and bad JSON raise ValueError/RecursionError (400)."""
+    import json
+
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise Refused(413, f"request body over {limit} bytes", "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise Refused(413, f"request body over {limit} bytes", "request_too_large")
+        chunks.append(chunk)
+    return json.loads(b"".join(chunks))
+
 
 class Endpoint:
     """The worker's server: routes each call to its episode by API key."""
@@ -36,7 +55,7 @@ class Endpoint:
                 if session is None:
                     return JSONResponse(_error("unknown API key (each episode has its own)", "invalid_api_key"), 401)
                 try:
-                    body = await request.json()
+                    body = await read_json(request)
                     if not isinstance(body, dict):
                         raise ValueError("the body must be a JSON object")
                     if body.get("stream"):
@@ -46,8 +65,8 @@ class Endpoint:
                     reply = await getattr(session, method)(body)
                 except Refused as exc:
                     return JSONResponse(_error(str(exc), exc.code), exc.status)
-                except ValueError as exc:
-                    return JSONResponse(_error(f"invalid request: {exc}", "invalid_request"), 400)
+                except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:  # a malformed body
+                    return JSONResponse(_error(f"invalid request: {type(exc).__name__}: {exc}"[:300], "invalid_request"), 400)
                 finally:
                     session.overhead_s += time.perf_counter() - started
                 return JSONResponse(reply)

@@ -63,6 +63,12 @@ def _text(content) -> str:
     return content or ""
 
 
+def _content_ok(content) -> bool:
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content)
+
+
 def same_message(m: dict) -> tuple:
     """What must stay equal when an agent sends a message back (ids and null fields aside)."""
     calls = tuple((c.get("function", {}).get("name"), c.get("function", {}).get("arguments"))
@@ -114,8 +120,11 @@ class AgentSession:
     def chat_prompt(self, messages: list[dict], tools) -> list[int]:
         """The tokens of the messages this call adds (the whole prompt on the first call); nothing is
         appended before the call is accepted."""
-        if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise Refused(400, "messages: a non-empty list of {role, content} objects", "invalid_request")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and _content_ok(m.get("content"))
+                for m in messages):
+            raise Refused(400, "messages: a non-empty list of {role, content} objects (content: a string, null "
+                          "or a list of {type, text} parts)", "invalid_request")
         n = len(self.messages)
         if n == 0:
             return self.codec.encode(self._render(messages, tools, True))
@@ -131,7 +140,10 @@ class AgentSession:
         return close + self.codec.encode(after[cut:])  # max_tokens: its turn is closed by an unsampled eos
 
     def text_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            vocab = len(self.codec.tokenizer)
+            if not all(0 <= i < vocab for i in prompt):  # checked here: out of range, it would fail the engine's
+                raise Refused(400, f"prompt: token ids must be in [0, {vocab})", "invalid_request")  # shared batch
             have = self.traj.token_ids
             if prompt[: len(have)] != have or (have and len(prompt) <= len(have)):
                 raise self._rewritten("the prompt's token ids do not extend the episode's")
@@ -144,6 +156,8 @@ class AgentSession:
 
     async def generate(self, new_ids: list[int], max_tokens: int | None):
         """Append the call's new prompt tokens and sample; a call over the episode's budget appends nothing."""
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise Refused(400, f"max_tokens: a positive integer, not {str(max_tokens)[:40]!r}", "invalid_request")
         t = self.traj
         budget = min(max_tokens or self.limits.max_action_tokens, self.limits.max_action_tokens,
                      self.limits.max_episode_tokens - len(t.token_ids) - len(new_ids))

@@ -10,7 +10,13 @@ through its one status ladder.
     fail(exc, why)   the status ladder: a timeout -> `timeout` (why), an engine failure -> `engine_error`,
                      any other exception -> `env_error` (its message kept); a cancellation -> `aborted`,
                      and it propagates
-    done()           the finished trajectory
+    done(limits)     the finished trajectory, checked against the episode limits: one over
+                     rollout.max_episode_tokens or with a turn over rollout.max_action_tokens is never
+                     trainable (`env_error`, whatever produced it)
+
+Untrusted values are checked here, at the boundary every environment and agent crosses:
+a reward must be a finite number (`reward(x)`; NaN, inf, "nan", a bool or a non-number end the episode
+as `env_error`, so it is counted and never trained on).
 
 Tokens are only ever appended: earlier ones are never re-tokenized (docs/algorithm.md §2).
 """
@@ -18,11 +24,30 @@ Tokens are only ever appended: earlier ones are never re-tokenized (docs/algorit
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 
 from sao.engine.base import EngineError
 from sao.types import Generation, Status, Trajectory
+
+
+class BadReward(ValueError):
+    """An environment or agent gave a reward that is not a finite number."""
+
+
+def finite_reward(value) -> float:
+    """`value` as a float if it is a finite real number (an int, a float, a numpy or one-element torch
+    scalar; not a bool, not a string); else BadReward."""
+    if isinstance(value, (bool, str, bytes)) or not hasattr(type(value), "__float__"):
+        raise BadReward(f"reward {str(value)[:60]!r} is not a number")
+    try:
+        value = float(value)
+    except (TypeError, ValueError, OverflowError):  # e.g. a tensor of several elements, a huge Decimal
+        raise BadReward(f"reward {str(value)[:60]!r} is not one number") from None
+    if not math.isfinite(value):
+        raise BadReward(f"reward {value} is not finite")
+    return value
 
 
 class TrajectoryBuilder:
@@ -59,7 +84,7 @@ class TrajectoryBuilder:
         t = self.traj
         t.status, t.status_reason = status, reason
         if reward is not None:
-            t.reward = float(reward)
+            t.reward = finite_reward(reward)
 
     def fail(self, exc: BaseException, timeout: str) -> None:
         """End the episode by what was raised; a cancellation (the run stopping) and anything that is not
@@ -76,6 +101,18 @@ class TrajectoryBuilder:
         else:
             raise exc
 
-    def done(self) -> Trajectory:
-        self.traj.finished_at = time.time()
-        return self.traj
+    def done(self, limits=None) -> Trajectory:
+        t = self.traj
+        t.finished_at = time.time()
+        if limits is not None and t.status in (Status.OK, Status.TRUNCATED):
+            turn, longest = 0, 0
+            for m in t.action_mask:
+                turn = turn + 1 if m else 0
+                longest = max(longest, turn)
+            if len(t.token_ids) > limits.max_episode_tokens:
+                self.end(Status.ENV_ERROR, f"{len(t.token_ids)} tokens, over rollout.max_episode_tokens="
+                                           f"{limits.max_episode_tokens}")
+            elif longest > limits.max_action_tokens:
+                self.end(Status.ENV_ERROR, f"a turn of {longest} sampled tokens, over rollout.max_action_tokens="
+                                           f"{limits.max_action_tokens}")
+        return t
