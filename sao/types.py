@@ -95,6 +95,14 @@ class Trajectory:
         versions = [v for v, m in zip(self.token_versions, self.action_mask) if m]
         return min(versions) if versions else 0
 
+    @property
+    def eval_score(self) -> float | None:
+        """What a held-out evaluation counts: the reward of a finished episode, 0 for a truncated one, None
+        for a failed one (it says nothing about the policy and is counted apart)."""
+        if self.status not in TRAINABLE:
+            return None
+        return self.reward if self.status == Status.OK else 0.0
+
     def lag(self, current_version: int) -> int:
         """Staleness: trainer version minus the oldest policy version in this trajectory."""
         return current_version - self.oldest_version

@@ -13,7 +13,7 @@ from sao.envs.base import EpisodeContext
 from sao.models.chat import ChatCodec
 from sao.rollout.agent_loop import EpisodeLimits, run_episodes
 from sao.runtime.rollout_watch import failure_label
-from sao.types import TRAINABLE, SamplingParams, Status, Task, Trajectory
+from sao.types import TRAINABLE, SamplingParams, Task, Trajectory
 
 
 @dataclass
@@ -46,9 +46,8 @@ def evaluate(model, codec: ChatCodec, environment, tasks: list[Task], limits: Ep
     metrics = {k: sum(t.metrics.get(k, 0.0) for t in trajs) / len(trajs) for k in keys}
     metrics["turns"] = sum(t.turns for t in trajs) / len(trajs)
     metrics["distinct_tasks"] = float(len({t.prompt for t in tasks}))  # fewer than n when held-out problems repeat
-    ran = [t for t in trajs if t.status in TRAINABLE]  # a failed episode says nothing about the policy
-    solved = [t.reward if t.status == Status.OK else 0.0 for t in ran]
-    return EvalResult(sum(solved) / max(len(ran), 1), len(trajs), len(trajs) - len(ran), statuses, metrics, trajs)
+    solved = [t.eval_score for t in trajs if t.eval_score is not None]  # failed episodes are counted apart
+    return EvalResult(sum(solved) / max(len(solved), 1), len(trajs), len(trajs) - len(solved), statuses, metrics, trajs)
 
 
 def failed_summary(trajs: list[Trajectory]) -> str:

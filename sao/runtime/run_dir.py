@@ -29,7 +29,7 @@ from pathlib import Path
 
 from sao.config import Config, ConfigError, to_yaml
 from sao.errors import WriteError
-from sao.types import TRAINABLE, Status, Trajectory
+from sao.types import Trajectory
 
 
 def write_failure(what: Path | str, exc: BaseException) -> WriteError:
@@ -161,10 +161,8 @@ class RunDir:
 
     def write_eval_games(self, step: int, trajs: list[Trajectory]) -> None:
         """evals/step_N.json: every held-out episode's task, status and score (what eval/accuracy averages:
-        the reward of an `ok` episode, 0 for a truncated one; failed ones are listed, not scored)."""
-        games = [{"task": t.task_id, "status": t.status.value,
-                  "score": (t.reward if t.status == Status.OK else 0.0) if t.status in TRAINABLE else None}
-                 for t in trajs]
+        Trajectory.eval_score; failed ones are listed, not scored)."""
+        games = [{"task": t.task_id, "status": t.status.value, "score": t.eval_score} for t in trajs]
         try:
             (self.path / "evals").mkdir(exist_ok=True)
         except OSError as exc:
