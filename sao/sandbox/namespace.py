@@ -41,12 +41,11 @@ import time
 from sao.sandbox import harness, hosteval, judge
 from sao.sandbox.hostlimits import cgroup_for, cgroup_oom, remove_cgroups, tree_rss_kib
 from sao.sandbox.protocol import DEFAULT_LIMITS, Limits, SandboxUnavailable, Verdict, one_line
-from sao.sandbox.verdict import build_verdict, parse_records
+from sao.sandbox.verdict import RESULTS_CAP, build_verdict, parse_records
 
 MECHANISMS = ("bwrap", "unshare")  # in order of preference
 MECHANISM_ENV = "SAO_SANDBOX_MECHANISM"  # forces one of MECHANISMS
 UID_BASE, UID_SPAN = 1_500_000_000, 100_000_000  # root mode: each run gets its own uid from this range
-RESULTS_CAP = 4 << 20  # bytes of result records read from one run; more kills it
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 _ENV = {"PATH": "/usr/bin:/bin", "HOME": "/sandbox", "TMPDIR": "/sandbox", "LANG": "C.UTF-8"}
 _WATCH_S = 0.05  # how often the host sums the run's resident memory

@@ -13,6 +13,8 @@ import signal
 from sao.sandbox import judge
 from sao.sandbox.protocol import TestResult, Verdict, one_line
 
+RESULTS_CAP = 4 << 20  # bytes of result records read from one run; more kills it (sao/sandbox/namespace.py)
+
 MAX_RECORD_CHARS = judge.MAX_VALUE_CHARS + 4096  # a longer line is not a record: ignored unread
 
 
@@ -131,7 +133,6 @@ def _limit_hint(error: str, lim) -> str:
 
 
 def run_cap_mb() -> int:
-    from sao.sandbox.namespace import RESULTS_CAP
     return RESULTS_CAP >> 20
 
 
