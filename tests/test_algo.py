@@ -185,3 +185,17 @@ def test_whitening_equal_values_gives_zeros_not_noise():
     assert masked_whiten(x, torch.ones(1, 4)).abs().max() < 1e-2
     # seven equal float32 values whose mean has rounding error: an unfloored std whitens that to ~0.4
     assert masked_whiten(torch.full((1, 7), 0.1), torch.ones(1, 7)).abs().max() < 1e-2
+
+
+def test_an_algorithm_entry_is_typed_and_a_typo_fails_at_registration():
+    """The registry's advantage and loss are enums the learner compares by identity; a plain string of a
+    value is accepted (an entry written before the enums), a misspelled one fails when it is declared."""
+    import pytest
+
+    from sao.algo.registry import Advantage, Algorithm, PolicyLoss, get_algorithm
+
+    mine = Algorithm("mine", "gae", "ppo")
+    assert mine.advantage is Advantage.GAE and mine.policy_loss is PolicyLoss.PPO and mine.uses_critic
+    assert get_algorithm("grpo_dis").grouped and get_algorithm("grpo_dis").policy_loss is PolicyLoss.DIS
+    with pytest.raises(ValueError, match="'gea'"):
+        Algorithm("typo", "gea", "dis")

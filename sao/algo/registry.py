@@ -8,26 +8,42 @@ else. Each docstring (`doc`) says how the entry differs from the paper it names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+
+
+class Advantage(str, Enum):
+    GAE = "gae"  # a critic: token-level skip-observation GAE (docs/algorithm.md §4)
+    GROUP = "group"  # GRPO's group normalization over G rollouts of one prompt
+    RUNNING_MEAN = "running_mean"  # reward minus a running mean of past rewards
+
+
+class PolicyLoss(str, Enum):
+    DIS = "dis"  # against the rollout policy's log-probs, one update per batch
+    PPO = "ppo"  # PPO clip against pi_old, recomputed by the trainer once per batch
 
 
 @dataclass(frozen=True)
 class Algorithm:
     name: str
-    advantage: str  # "gae" (critic), "group" (GRPO), "running_mean"
-    policy_loss: str  # "dis" (against the rollout policy) or "ppo" (against pi_old, recomputed by the trainer)
+    advantage: Advantage  # how advantages are made (a plain string of its value is accepted)
+    policy_loss: PolicyLoss  # which policy loss (likewise)
     critic_updates: int | None = None  # override critic.updates_per_step (None: use config)
     freeze_attention: bool | None = None  # override critic.freeze_attention
     step_level: bool = False  # step-level GAE ablation (App. A.1): one value and one advantage per turn
     doc: str = ""
 
+    def __post_init__(self) -> None:  # a typo in a registered algorithm fails here, not mid-run
+        object.__setattr__(self, "advantage", Advantage(self.advantage))
+        object.__setattr__(self, "policy_loss", PolicyLoss(self.policy_loss))
+
     @property
     def uses_critic(self) -> bool:
-        return self.advantage == "gae"
+        return self.advantage is Advantage.GAE
 
     @property
     def grouped(self) -> bool:
         """G rollouts per prompt (algo.group_size), trained together once all G have finished."""
-        return self.advantage == "group"
+        return self.advantage is Advantage.GROUP
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -44,31 +60,31 @@ def get_algorithm(name: str) -> Algorithm:
     return ALGORITHMS[name]
 
 
-register_algorithm(Algorithm("sao", "gae", "dis", doc=(
+register_algorithm(Algorithm("sao", Advantage.GAE, PolicyLoss.DIS, doc=(
     "SAO (paper §3): one rollout per prompt, critic with token-level skip-observation GAE, K=2 critic "
     "steps, frozen critic attention, DIS against the rollout policy; whitening is the project's default")))
-register_algorithm(Algorithm("sao_k1", "gae", "dis", critic_updates=1, doc=(
+register_algorithm(Algorithm("sao_k1", Advantage.GAE, PolicyLoss.DIS, critic_updates=1, doc=(
     "ablation (paper Table 2): SAO with one critic step per actor step instead of K=2")))
-register_algorithm(Algorithm("sao_no_freeze", "gae", "dis", freeze_attention=False, doc=(
+register_algorithm(Algorithm("sao_no_freeze", Advantage.GAE, PolicyLoss.DIS, freeze_attention=False, doc=(
     "ablation (paper Table 2): SAO whose critic trains its attention projections too")))
-register_algorithm(Algorithm("sao_step_gae", "gae", "dis", step_level=True, doc=(
+register_algorithm(Algorithm("sao_step_gae", Advantage.GAE, PolicyLoss.DIS, step_level=True, doc=(
     "ablation (paper App. A.1): one value per turn (algo.step_value: the state the turn starts from, or "
     "the turn mean), GAE over turns with lambda_policy from the number of turns, the turn's advantage on each of "
     "its action tokens")))
-register_algorithm(Algorithm("vapo", "gae", "ppo", doc=(
+register_algorithm(Algorithm("vapo", Advantage.GAE, PolicyLoss.PPO, doc=(
     "VAPO-style (vanilla, as the SAO paper's baseline): one rollout, critic + token-level GAE, PPO clip "
     "against pi_old computed once per batch before algo.ppo_epochs x algo.ppo_minibatches updates; no DIS "
     "and none of VAPO's other additions (value pretraining is separate, no length-adaptive lambda tricks "
     "beyond SAO's own, no positive-example LM loss, no group sampling)")))
-register_algorithm(Algorithm("grpo", "group", "ppo", doc=(
+register_algorithm(Algorithm("grpo", Advantage.GROUP, PolicyLoss.PPO, doc=(
     "GRPO (DeepSeekMath, DAPO-style clip-higher 0.2/0.28): algo.group_size rollouts per prompt trained "
     "together once all have finished; advantage (R - mean_G)/std_G (population std) on every action "
     "token; PPO clip against pi_old recomputed by the trainer once per batch before algo.ppo_epochs x "
     "algo.ppo_minibatches updates; no KL penalty, no dynamic sampling, token-mean loss")))
-register_algorithm(Algorithm("grpo_dis", "group", "dis", doc=(
+register_algorithm(Algorithm("grpo_dis", Advantage.GROUP, PolicyLoss.DIS, doc=(
     "GRPO+DIS (the SAO paper's strongest baseline): GRPO's group sampling and group advantage, with the "
     "DIS loss against the rollout policy (one update per batch, no pi_old pass)")))
-register_algorithm(Algorithm("running_mean", "running_mean", "dis", doc=(
+register_algorithm(Algorithm("running_mean", Advantage.RUNNING_MEAN, PolicyLoss.DIS, doc=(
     "running-mean baseline (paper §4.4/§4.5): one rollout; advantage = reward - mean of the last "
     "algo.running_mean_window rewards of the same prompt (keyed by the prompt's tokens) or of one global "
     "window; DIS; never whitened (whitening would turn it into a batch-mean baseline)")))

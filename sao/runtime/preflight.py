@@ -6,7 +6,7 @@ import socket
 import time
 from pathlib import Path
 
-from sao.algo.registry import get_algorithm
+from sao.algo.registry import PolicyLoss, get_algorithm
 from sao.config import Config, ConfigError
 from sao.envs import make_environment
 from sao.runtime.trackers import check_trackers
@@ -120,7 +120,7 @@ def check_algorithm(cfg: Config) -> None:
     if algo.grouped and b % cfg.algo.group_size:
         raise ConfigError(f"train.batch_size: {b} is not a multiple of algo.group_size={cfg.algo.group_size} "
                           f"({algo.name} trains whole groups of rollouts of one prompt)")
-    if algo.policy_loss == "ppo" and b % cfg.algo.ppo_minibatches:
+    if algo.policy_loss is PolicyLoss.PPO and b % cfg.algo.ppo_minibatches:
         raise ConfigError(f"train.batch_size: {b} is not a multiple of algo.ppo_minibatches="
                           f"{cfg.algo.ppo_minibatches} ({algo.name} splits each batch into equal minibatches)")
 

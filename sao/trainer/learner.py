@@ -35,7 +35,7 @@ from sao.algo.baselines import RunningMeanBaseline, group_advantages
 from sao.algo.core import LOCAL, explained_variance, masked_mean, masked_var, masked_whiten, stale_tokens, token_mean_loss
 from sao.algo.gae import length_adaptive_lambda, skip_observation_gae, step_level_gae, step_level_values
 from sao.algo.losses import dis_policy_loss, ppo_clip_loss, value_loss
-from sao.algo.registry import Algorithm
+from sao.algo.registry import Advantage, Algorithm, PolicyLoss
 from sao.config import AlgoConfig, CriticConfig, TrainConfig
 from sao.device import autocast, to_device
 from sao.errors import RunStopped
@@ -98,7 +98,7 @@ class Learner:
             self.critic_opt = adamw(critic, critic_cfg.lr, train_cfg.weight_decay)
         self.running_mean = (
             RunningMeanBaseline(algo_cfg.running_mean_window, algo_cfg.running_mean_per_prompt)
-            if algo.advantage == "running_mean" else None
+            if algo.advantage is Advantage.RUNNING_MEAN else None
         )
 
     @property
@@ -336,7 +336,7 @@ class Learner:
     def _actor_step(self, batch: Batch, advantages: torch.Tensor) -> dict[str, float]:
         cfg = self.algo_cfg
         self.actor.train()  # an engine sharing this model (evaluation, sync mode) switches it to eval()
-        if self.algo.policy_loss == "dis":  # one update; the ratio is against the rollout policy
+        if self.algo.policy_loss is PolicyLoss.DIS:  # one update; the ratio is against the rollout policy
             metrics = self._update(batch, advantages, None)
         else:
             with torch.no_grad():  # pi_old, once per batch: the extra forward pass DIS avoids
