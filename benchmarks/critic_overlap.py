@@ -38,8 +38,8 @@ from sao.device import resolve_device  # noqa: E402
 from sao.models.critic import build_critic  # noqa: E402
 from sao.models.quiet import quiet_transformers  # noqa: E402
 from sao.models.tiny import load_model  # noqa: E402
-from sao.runtime.context import critic_learner  # noqa: E402
 from sao.trainer.batch import collate  # noqa: E402
+from sao.trainer.build import critic_learner  # noqa: E402
 from sao.trainer.critic_ranks import start_critic_rank  # noqa: E402
 from sao.trainer.learner import Learner  # noqa: E402
 

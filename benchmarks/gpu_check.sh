@@ -40,7 +40,7 @@ print(f"training:   {train_tok / max(train_s, 1e-9):.0f} tokens/s ({len(steps)} 
 print(f"held-out accuracy: {acc[0] if acc else float('nan'):.3f} -> {acc[-1] if acc else float('nan'):.3f}")
 PYEOF
 
-# The critic on its own process, one batch ahead (critic.placement=separate, docs/architecture.md §9), against
+# The critic on its own process, one batch ahead (critic.placement=separate, docs/ranks.md §2), against
 # the colocated sequence, both on this GPU: per-step wall, the share of the critic's time hidden
 "$PY" benchmarks/critic_overlap.py --batches 8 --repeats 3 --out "$ROOT/$NAME-critic-overlap.json" \
   trainer.device=cuda "$@"

@@ -46,8 +46,8 @@ import train_step  # noqa: E402  (benchmarks/train_step.py: sampling and learner
 import sao.trainer.learner as learner_mod  # noqa: E402
 from sao.config import load_config  # noqa: E402
 from sao.models.quiet import quiet_transformers  # noqa: E402
-from sao.runtime.context import build_models  # noqa: E402
 from sao.trainer.batch import collate  # noqa: E402
+from sao.trainer.build import build_models  # noqa: E402
 
 
 def parts(k: int) -> list[str]:

@@ -158,7 +158,7 @@ class CriticConfig(Section):
     placement: Literal["colocated", "separate"] = Field("colocated", description=(
         "colocated: the critic trains in the trainer's process, before each actor step (the paper's sequence); "
         "separate: on its own process, one batch ahead, so its K updates and v2 for batch n+1 overlap the "
-        "actor's step on batch n (same math, lag one more; docs/architecture.md, 'Critic ranks')"))
+        "actor's step on batch n (same math, lag one more; docs/ranks.md §2)"))
     threads: int = Field(1, ge=1, description="critic.placement=separate: torch threads of the critic's process")
 
 
@@ -250,7 +250,7 @@ class TrainerConfig(Section):
         "(the torch engines follow engine.device, so the two can differ)"))
     ranks: int = Field(1, ge=1, description=(
         "trainer processes: N > 1 shards actor and critic with FSDP2 over N data-parallel ranks that sao "
-        "starts itself (gloo on CPU, NCCL on GPU; docs/architecture.md §8); the math equals one process"))
+        "starts itself (gloo on CPU, NCCL on GPU; docs/ranks.md §1); the math equals one process"))
     timeout_s: float = Field(600.0, gt=0, description=(
         "trainer.ranks > 1: bound on every collective; a rank that hangs or dies stops the run within it "
         "(runtime.backend=ray: also the wait for the cluster to place the ranks)"))

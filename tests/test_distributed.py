@@ -368,7 +368,7 @@ def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_model_dir, tmp_path, lo
     with LoRA actor and critic too (adapter folders on the base model, adapter-only AdamW states)."""
     from sao.models.lora import adapter_base
     from sao.models.tokenizer import load_tokenizer
-    from sao.runtime.context import rank_learner
+    from sao.trainer.build import rank_learner
     from sao.trainer.ranks import start_trainer_ranks
     from sao.trainer.sharded_checkpoint import full_state, load_sharded
 
@@ -385,7 +385,7 @@ def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_model_dir, tmp_path, lo
     expected_metrics = one.step(batch)
     expected = full_state(one)
 
-    model_path = adapter_base(ckpt / "actor") or str(ckpt / "actor")  # as sao/runtime/context.py resumes
+    model_path = adapter_base(ckpt / "actor") or str(ckpt / "actor")  # as sao/runtime/train.py resumes
     driver = start_trainer_ranks(2, rank_learner, (cfg, model_path, str(ckpt)), timeout_s=TIMEOUT_S)
     try:
         driver.load_state_dict(torch.load(tmp_path / "trainer_state.pt"))

@@ -37,21 +37,21 @@ class Observed:
     """Wraps a real backend and checks, at each submit, what is in play against the bound, from what it
     sees itself: ids submitted, drops in the audit, publishes, the trainer's warm-up steps."""
 
-    def __init__(self, backend, ctx):
-        self.backend, self.ctx = backend, ctx
+    def __init__(self, backend, cfg, trainer, run_path):
+        self.backend, self.cfg, self.trainer, self.run_path = backend, cfg, trainer, run_path
         self.workers = backend.workers
         self.fresh: set[str] = set()
         self.published = 0
         self.violations: list[tuple[int, int]] = []
 
     def bound(self) -> int:
-        cfg, trainer = self.ctx.cfg, self.ctx.trainer
+        cfg, trainer = self.cfg, self.trainer
         warmup_done = trainer.steps_done - trainer.version  # steps that left the policy unchanged
         consumed = self.published * cfg.runtime.sync_every + warmup_done
         return (consumed + batches_ahead(cfg.runtime) + 1) * cfg.train.batch_size
 
     def dropped(self) -> int:
-        audit = self.ctx.run.path / "audit.jsonl"
+        audit = self.run_path / "audit.jsonl"
         return sum(json.loads(line)["event"] == "dropped" for line in open(audit)) if audit.exists() else 0
 
     def start(self, params, version):
@@ -77,12 +77,13 @@ class Observed:
 
 @pytest.mark.parametrize("max_lag,issue_ahead,sync_every,warmup", [(1, 1, 1, 0), (2, 0, 2, 2)])
 def test_run_async_keeps_the_pacing_invariant(tmp_path, monkeypatch, max_lag, issue_ahead, sync_every, warmup):
-    from sao.runtime import context
+    """The whole `sao train` (sao/runtime/train.py) with its rollout workers in this process, the backend
+    observed from outside."""
+    from pathlib import Path
+
+    from sao.runtime import train as train_module
     from sao.runtime.backend import worker_specs
-    from sao.runtime.evaluate import Evaluator
     from sao.runtime.inprocess import InProcessBackend
-    from sao.runtime.loop import run_async
-    from sao.runtime.preflight import preflight
     from sao.runtime.progress import RunProgress
 
     monkeypatch.chdir(tmp_path)
@@ -91,29 +92,30 @@ def test_run_async_keeps_the_pacing_invariant(tmp_path, monkeypatch, max_lag, is
         "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64",
         "sft.steps=0", f"train.steps={steps}", f"train.batch_size={b}", f"critic.warmup_steps={warmup}",
         "rollout.concurrency=4", "rollout.max_turns=2", "rollout.max_action_tokens=8", "eval.every=0",
-        f"runtime.max_lag={max_lag}", f"runtime.issue_ahead={issue_ahead}", f"runtime.sync_every={sync_every}",
-        "output.save_every=0", "output.name=p", "model.cache_dir=cache",
+        "eval.num_tasks=4", f"runtime.max_lag={max_lag}", f"runtime.issue_ahead={issue_ahead}",
+        f"runtime.sync_every={sync_every}", "output.save_every=0", "output.name=p", "model.cache_dir=cache",
         "algo.skip_uniform_rewards=false"])  # every step an actor step: the invariant counts them (conftest.TINY)
-    ctx = context.build(cfg, preflight(cfg), RunProgress(enabled=False))
-    backend = Observed(InProcessBackend(worker_specs(cfg, str(ctx.model_path), ctx.limits)), ctx)
-    backend.start(ctx.trainer.export_weights(), ctx.trainer.version)
-    ctx.start_scheduler(backend).fill(0)
-    try:
-        run_async(ctx, backend, Evaluator(ctx))
-    finally:
-        backend.stop()
-    assert ctx.step == steps and not backend.violations
-    rows = [json.loads(line) for line in open(ctx.run.path / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert max(r["async/lag_max"] for r in rows) <= max_lag
+    run_path = tmp_path / "runs" / "p"
+    built, observed = [], []
+    real_build = train_module.build_trainer
+    monkeypatch.setattr(train_module, "build_trainer", lambda *a: built.append(real_build(*a)) or built[-1])
+    monkeypatch.setattr(train_module, "make_backend", lambda cfg, model_path, limits: observed.append(
+        Observed(InProcessBackend(worker_specs(cfg, model_path, limits)), cfg, built[0], run_path)) or observed[-1])
+    result = train_module.train(cfg, RunProgress(enabled=False))
+    backend, trainer = observed[0], built[0]
+    assert result.steps == steps and Path(result.run_dir).resolve() == run_path and not backend.violations
+    rows = [json.loads(line) for line in open(run_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "async/lag_max" in r] == list(range(1, steps + 1))
+    assert max(r["async/lag_max"] for r in rows if "async/lag_max" in r) <= max_lag
     actor_steps = steps - warmup
-    assert ctx.trainer.version == actor_steps and backend.published == actor_steps // sync_every
+    assert trainer.version == actor_steps and backend.published == actor_steps // sync_every
     events: dict[str, list[str]] = {}
-    for line in open(ctx.run.path / "audit.jsonl"):
+    for line in open(run_path / "audit.jsonl"):
         e = json.loads(line)
-        events.setdefault(e["event"], []).append(e["id"])
+        events.setdefault(e["event"], []).append(e.get("id"))
     trained = events["trained"]
     assert len(trained) == len(set(trained)) == steps * b  # none twice
-    settled = set(trained) | set(events.get("dropped", [])) | {a.id for a in ctx.scheduler.pending()}
-    settled |= {t.id for t in ctx.queue.items()}
+    # what the final checkpoint carries over is in the audit too: nothing issued is unaccounted for
+    settled = set(trained) | set(events.get("dropped", [])) | set(events.get("unfinished_at_exit", []))
+    settled |= set(events.get("queued_at_exit", []))
     assert set(events["issued"]) <= settled

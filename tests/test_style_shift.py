@@ -9,7 +9,7 @@ from sao.envs.base import EpisodeContext
 
 
 def _episode(env, step, task):
-    ep = env.new_episode(EpisodeContext(policy_version=0, trainer_version=step))
+    ep = env.new_episode(EpisodeContext(policy_version=0, trainer_step=step))
     return ep, ep.reset(task)
 
 
@@ -126,3 +126,9 @@ def test_held_out_sums_do_not_depend_on_the_training_seed():
     assert held == [t.prompt for t in b.eval_tasks(50)]
     train = b.train_tasks()
     assert not {next(train).prompt for _ in range(500)} & set(held)
+
+
+def test_the_old_name_of_the_episode_contexts_step_still_reads():
+    """EpisodeContext.trainer_step was called trainer_version (it counts steps, not policy versions);
+    environments written against the old name keep working."""
+    assert EpisodeContext(trainer_step=7).trainer_version == 7

@@ -40,7 +40,13 @@ class EpisodeContext:
     """What an episode may know about the run when it starts."""
 
     policy_version: int = 0  # version of the weights the engine holds
-    trainer_version: int = 0  # optimizer steps the trainer has taken (critic warm-up included)
+    trainer_step: int = 0  # training steps the run has taken (critic warm-up included): the run's progress
+
+    @property
+    def trainer_version(self) -> int:
+        """The name this field had before 2026-12-05 (it counts steps, not policy versions); kept for
+        environments written against it."""
+        return self.trainer_step
 
 
 @runtime_checkable

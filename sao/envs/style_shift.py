@@ -81,7 +81,7 @@ def _prompt(candidates: list[str], problem: str) -> str:
 
 class StyleShiftEpisode:
     def __init__(self, options: StyleShiftOptions, ctx: EpisodeContext):
-        self.options, self.phase = options, options.phase_at(ctx.trainer_version)
+        self.options, self.phase = options, options.phase_at(ctx.trainer_step)
         self.answer: int | None = None
 
     def reset(self, task: Task) -> list[Message]:

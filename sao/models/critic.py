@@ -27,7 +27,7 @@ def critic_layers(actor_layers: int, num_layers: int | None = None, depth: float
 def build_critic(actor_path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False,
                  num_layers: int | None = None, depth: float = 1.0):
     """Critic initialized from the actor checkpoint; value head zeroed so V starts at 0. `meta`: the same
-    model on the meta device, no weight read (a trainer rank that receives them, docs/architecture.md §8).
+    model on the meta device, no weight read (a trainer rank that receives them, docs/ranks.md §1).
     `num_layers` / `depth`: keep only the first decoder layers (`critic_layers`; the rest of the
     checkpoint's layers are not loaded): a critic that costs that share of the actor's layers per pass."""
     config = AutoConfig.from_pretrained(str(actor_path))

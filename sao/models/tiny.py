@@ -53,7 +53,7 @@ def build_tiny_model(
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False):
     """A causal LM from an HF folder; a LoRA adapter folder (sao/models/lora.py) loads onto its base, merged.
-    `meta`: the same model on the meta device, no weight read (a trainer rank that receives them, §8)."""
+    `meta`: the same model on the meta device, no weight read (a trainer rank that receives them, docs/ranks.md §1)."""
     from sao.models.lora import adapter_base, load_adapter_merged
 
     if adapter_base(path) is not None:

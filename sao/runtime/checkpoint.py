@@ -2,7 +2,7 @@
 
     checkpoints/step_000040/
       actor/, critic/        HF format (weights + tokenizer)
-      trainer_state.pt       every part's state_dict (sao/runtime/context.py): the trainer's
+      trainer_state.pt       every part's state_dict (sao/runtime/saver.py): the trainer's
                              (optimizer states, versions, running-mean baseline), pacing counters,
                              task cursor, RNG states, queued (finished, untrained) trajectories,
                              issued-but-unfinished assignments, and the line counts of
@@ -51,7 +51,7 @@ def _atomic_text(path: Path, text: str) -> None:
 def save(run_path: Path, tag: str, state: dict, write_models: Callable[[Path], None], keep: int,
          protect: str | None = None) -> Path:
     """Write checkpoint `tag`: `write_models(folder)` writes the HF folders, `state` (every part's
-    state_dict, sao/runtime/context.py) goes into trainer_state.pt; then `latest` points at it."""
+    state_dict, sao/runtime/saver.py) goes into trainer_state.pt; then `latest` points at it."""
     final = run_path / "checkpoints" / tag
     tmp = final.with_name(tag + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -176,7 +176,7 @@ def resume_problem(run: Path, steps: int) -> str | None:
 
 
 def load(ckpt: Path) -> dict:
-    """trainer_state.pt: the state every part of the run restores (sao/runtime/context.py)."""
+    """trainer_state.pt: the state every part of the run restores (sao/runtime/saver.py)."""
     try:
         return torch.load(ckpt / "trainer_state.pt", weights_only=False)
     except Exception as exc:

@@ -20,13 +20,21 @@ from sao.types import SamplingParams, Trajectory
 
 
 class PolicyCopy:
-    def __init__(self, cfg: Config, model_path):
-        from sao.device import resolve_device
-        from sao.models.tiny import load_model
+    """The one engine-side copy of the policy the trainer's process keeps (parity gate, evaluation, sync
+    generation). Its model loads on first use, so holding one costs nothing until then."""
 
-        self.cfg, self.model_path = cfg, model_path
-        with torch.random.fork_rng(devices=[]):  # loading draws no numbers from the run's seeded stream
-            self.model = load_model(model_path).to(resolve_device(cfg.engine.device))
+    def __init__(self, cfg: Config, model_path):
+        self.cfg, self.model_path, self._model = cfg, model_path, None
+
+    @property
+    def model(self):
+        if self._model is None:
+            from sao.device import resolve_device
+            from sao.models.tiny import load_model
+
+            with torch.random.fork_rng(devices=[]):  # loading draws no numbers from the run's seeded stream
+                self._model = load_model(self.model_path).to(resolve_device(self.cfg.engine.device))
+        return self._model
 
     def load(self, weights: list[torch.Tensor]) -> None:
         from sao.runtime.weight_sync import flatten

@@ -8,11 +8,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from sao.config import Config
 from sao.engine.torch_engine import TorchEngine
 from sao.envs.base import EpisodeContext
 from sao.models.chat import ChatCodec
 from sao.rollout.agent_loop import EpisodeLimits, run_episodes
+from sao.runtime.episodes import PolicyCopy
+from sao.runtime.progress import RunProgress
 from sao.runtime.rollout_watch import failure_label
+from sao.runtime.run_dir import RunDir
+from sao.runtime.threads import ThreadPlan
 from sao.types import TRAINABLE, SamplingParams, Task, Trajectory
 
 
@@ -37,7 +42,7 @@ def evaluate(model, codec: ChatCodec, environment, tasks: list[Task], limits: Ep
         engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=max_batch, seed=seed, version=version)
     was_training = model.training
     trajs = asyncio.run(run_episodes(engine, environment, codec, tasks, params, limits,
-                                     lambda: EpisodeContext(policy_version=version, trainer_version=trainer_step)))
+                                     lambda: EpisodeContext(policy_version=version, trainer_step=trainer_step)))
     model.train(was_training)
     statuses: dict[str, int] = {}
     for t in trajs:
@@ -57,33 +62,36 @@ def failed_summary(trajs: list[Trajectory]) -> str:
 
 
 class Evaluator:
-    """Evaluations during a run: the same held-out tasks each time, on a copy of the trainer's weights."""
+    """Evaluations during a run: the same held-out tasks each time, on the policy copy given the trainer's
+    current weights; each is a row of eval/* metrics, evals/step_N.json and eval_step_* trajectories."""
 
-    def __init__(self, ctx):
-        self.ctx = ctx
-        self.tasks = ctx.environment.eval_tasks(ctx.cfg.eval.num_tasks)
+    def __init__(self, cfg: Config, environment, codec: ChatCodec, limits: EpisodeLimits, trainer, policy: PolicyCopy,
+                 run: RunDir, progress: RunProgress, threads: ThreadPlan):
+        self.cfg, self.environment, self.codec, self.limits = cfg, environment, codec, limits
+        self.trainer, self.policy, self.run, self.progress, self.threads = trainer, policy, run, progress, threads
+        self.tasks = environment.eval_tasks(cfg.eval.num_tasks)
 
     def __call__(self, step: int) -> float:
-        ctx, cfg = self.ctx, self.ctx.cfg
-        ctx.threads.evaluate()
+        cfg = self.cfg
+        self.threads.evaluate()
         t0 = time.perf_counter()
-        self.policy = ctx.policy_copy()
-        self.policy.load(ctx.trainer.export_weights())
-        version = ctx.trainer.version
-        engine = self.policy.engine(ctx.codec.tokenizer.pad_token_id, max_batch=128, seed=cfg.train.seed, version=version)
-        res = evaluate(self.policy.model, ctx.codec, ctx.environment, self.tasks, ctx.limits, greedy=cfg.eval.greedy,
+        self.policy.load(self.trainer.export_weights())
+        version = self.trainer.version
+        engine = self.policy.engine(self.codec.tokenizer.pad_token_id, max_batch=128, seed=cfg.train.seed,
+                                    version=version)
+        res = evaluate(self.policy.model, self.codec, self.environment, self.tasks, self.limits, greedy=cfg.eval.greedy,
                        seed=cfg.train.seed, version=version, trainer_step=step, engine=engine)
-        ctx.threads.train()
+        self.threads.train()
         row = {"eval/accuracy": res.accuracy, "eval/failed": float(res.failed),
                **{f"eval/{k}": v for k, v in res.metrics.items()},
                "eval/wall_s": time.perf_counter() - t0}  # lets `sao bench` take evaluations out of wall-clock
         if res.failed:
-            ctx.progress.warn(f"sao: warning: {res.failed} of {res.n} held-out episodes failed at step {step} "
-                              f"({failed_summary(res.trajectories)}); eval/accuracy is over the other "
-                              f"{res.n - res.failed}, eval/failed counts them")
-        ctx.run.log(step, row)
-        ctx.run.write_eval_games(step, res.trajectories)  # per game, for intervals over games (sao bench)
-        ctx.run.write_trajectories(step, res.trajectories[: cfg.output.trajectories_per_dump], ctx.codec.decode,
-                                   prefix="eval_step")
-        ctx.progress.set_eval(res.accuracy, step=step)
+            self.progress.warn(f"sao: warning: {res.failed} of {res.n} held-out episodes failed at step {step} "
+                               f"({failed_summary(res.trajectories)}); eval/accuracy is over the other "
+                               f"{res.n - res.failed}, eval/failed counts them")
+        self.run.log(step, row)
+        self.run.write_eval_games(step, res.trajectories)  # per game, for intervals over games (sao bench)
+        self.run.write_trajectories(step, res.trajectories[: cfg.output.trajectories_per_dump], self.codec.decode,
+                                    prefix="eval_step")
+        self.progress.set_eval(res.accuracy, step=step)
         return res.accuracy

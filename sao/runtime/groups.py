@@ -19,7 +19,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Iterator
 
-from sao.runtime.queue import TrajectoryQueue, drop_reason, load_queue_state, queue_state
+from sao.runtime.queue import Queue, TrajectoryQueue, drop_reason, load_queue_state, queue_counts, queue_state
 from sao.types import TRAINABLE, Task, Trajectory
 
 
@@ -37,7 +37,7 @@ def task_stream(environment, algo, cfg) -> Iterator[Task]:
     return grouped(tasks, cfg.algo.group_size) if algo.grouped else tasks
 
 
-def make_queue(algo, cfg):
+def make_queue(algo, cfg) -> Queue:
     return GroupQueue(cfg.algo.group_size) if algo.grouped else TrajectoryQueue()
 
 
@@ -63,11 +63,15 @@ class GroupQueue:
     def items(self) -> list[Trajectory]:
         return [t for g in self._complete for t in g] + [t for g in self._open.values() for t in g]
 
+    def counts(self) -> dict[str, float]:
+        return {**queue_counts(self), "async/dropped_group_total": self.dropped_group}
+
     def state_dict(self) -> dict:
-        return queue_state(self)
+        return {**queue_state(self), "dropped_group": self.dropped_group}
 
     def load_state_dict(self, state: dict) -> None:
         load_queue_state(self, state)
+        self.dropped_group = state.get("dropped_group", 0)
 
     def drop_reason(self, traj: Trajectory) -> str:
         return self._reasons.pop(traj.id, "stale")

@@ -9,8 +9,34 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Protocol
 
 from sao.types import TRAINABLE, Trajectory
+
+
+class Queue(Protocol):
+    """What the loop's batch sources and the checkpoint ask of a queue: TrajectoryQueue, or GroupQueue
+    for group algorithms (sao/runtime/groups.py)."""
+
+    dropped_stale: int
+    failed: dict[str, int]
+
+    def __len__(self) -> int: ...
+
+    def put(self, traj: Trajectory) -> None: ...
+
+    def items(self) -> list[Trajectory]: ...
+
+    def get_batch(self, batch_size: int, current_version: int, max_lag: int
+                  ) -> tuple[list[Trajectory], list[Trajectory]]: ...
+
+    def drop_reason(self, traj: Trajectory) -> str: ...
+
+    def counts(self) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class TrajectoryQueue:
@@ -48,6 +74,11 @@ class TrajectoryQueue:
             self._items.appendleft(traj)  # incomplete batch: put back, caller waits for more
         return (batch if len(batch) == batch_size else []), dropped
 
+    def drop_reason(self, traj: Trajectory) -> str:
+        return drop_reason(traj)
+
+    def counts(self) -> dict[str, float]:
+        return queue_counts(self)
 
     def state_dict(self) -> dict:
         return queue_state(self)
@@ -56,18 +87,22 @@ class TrajectoryQueue:
         load_queue_state(self, state)
 
 
-def queue_state(queue) -> dict:
+def queue_counts(queue: Queue) -> dict[str, float]:
+    """The run's totals of finished episodes not trained on, as a queue counted them (a step's metrics)."""
+    return {"async/dropped_stale_total": queue.dropped_stale, "async/failed_episodes_total": sum(queue.failed.values()),
+            "async/env_error_episodes_total": queue.failed.get("env_error", 0)}  # env faults, not the model's
+
+
+def queue_state(queue: Queue) -> dict:
     """Finished, untrained trajectories (a resume trains them) and the drop counters, of either queue."""
     return {"queued": [t.to_json() for t in queue.items()], "dropped_stale": queue.dropped_stale,
-            "failed": dict(queue.failed), "dropped_group": getattr(queue, "dropped_group", 0)}
+            "failed": dict(queue.failed)}
 
 
-def load_queue_state(queue, state: dict) -> None:
+def load_queue_state(queue: Queue, state: dict) -> None:
     for line in state["queued"]:
         queue.put(Trajectory.from_json(line))
     queue.dropped_stale, queue.failed = state["dropped_stale"], dict(state["failed"])
-    if hasattr(queue, "dropped_group"):
-        queue.dropped_group = state.get("dropped_group", 0)
 
 
 def drop_reason(traj: Trajectory) -> str:

@@ -19,7 +19,7 @@ Messages are pickled over one pipe, in order; the critic answers each in turn. A
 dies fails the next call with `RankFailed` naming it (one line, no traceback); one that raises sends its
 error back, which is raised here. The process dies with its parent (PR_SET_PDEATHSIG) and ignores Ctrl-C
 (the trainer checkpoints, then closes it). Written for one critic process; a critic sharded over M
-FSDP2 ranks is the next step (docs/architecture.md, "Critic ranks").
+FSDP2 ranks is the next step (docs/ranks.md §2).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The learner on N data-parallel ranks with FSDP2 (docs/architecture.md §8).
+"""The learner on N data-parallel ranks with FSDP2 (docs/ranks.md §1).
 
     ranks     one process each, joined by torch.distributed (gloo on CPU, NCCL on GPU), with a
               collective timeout (`init_ranks`)

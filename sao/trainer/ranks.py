@@ -135,7 +135,7 @@ class RankDriver:
 
     def load_state_dict(self, state: dict) -> None:
         """A sharded checkpoint: nothing here, every rank loaded its shards when it was built
-        (sao/runtime/context.py). A one-rank run's `Learner.state_dict()`: optimizer states and counters
+        (sao/runtime/saver.py). A one-rank run's `Learner.state_dict()`: optimizer states and counters
         from this rank to all (1 -> N; the weights came from the checkpoint's HF folders)."""
         if "sharded" not in state:
             self._call("load_one_process", rank0_only=(state,))

@@ -1,0 +1,119 @@
+"""Building the trainer from a config: the models (actor, critic; LoRA; a checkpoint's weights) and the
+trainer shape around them. The runtime calls `build_trainer` once per run; spawned trainer processes
+(follower ranks, the critic's process) call `rank_learner` / `critic_learner`, module-level so they
+travel to spawned processes.
+
+    build_trainer(cfg, model_path, ckpt)   a one-process Learner; at trainer.ranks=N a driver of N FSDP2
+                                           ranks (sao/trainer/ranks.py; Ray actors with runtime.backend=ray,
+                                           sao/trainer/ray_ranks.py, after the caller connected to Ray);
+                                           with critic.placement=separate the critic on its own process
+    build_models(cfg, model_path, ckpt)    actor and critic on trainer.device, as every shape builds them
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sao.algo.registry import get_algorithm
+from sao.config import Config
+from sao.device import resolve_device, resolve_dtype
+from sao.models.critic import build_critic, load_critic
+from sao.models.lora import adapter_base, load_lora_critic, resume_lora, with_lora
+from sao.models.tiny import load_model
+from sao.trainer.learner import Learner
+
+
+def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None):
+    """The trainer behind the seam (sao/trainer/protocol.py): a one-process Learner, or at trainer.ranks=N
+    a driver of N FSDP2 ranks (this process is rank 0, sao/trainer/ranks.py; with runtime.backend=ray
+    every rank is a Ray actor, sao/trainer/ray_ranks.py). A checkpoint written at any number of ranks (DCP
+    shards in trainer/, or a one-rank run's HF folders and plain optimizer states) loads into any number of ranks."""
+    sharded = ckpt is not None and (ckpt / "trainer").is_dir()
+    if cfg.trainer.ranks > 1:
+        args = (cfg, str(model_path), str(ckpt) if ckpt is not None else None)
+        if cfg.runtime.backend == "ray":  # Ray actors in a placement group; the caller connected to Ray
+            from sao.trainer.ray_ranks import start_ray_ranks
+
+            return start_ray_ranks(cfg.trainer, rank_learner, args, model_path)
+        from sao.trainer.ranks import start_trainer_ranks
+
+        return start_trainer_ranks(cfg.trainer.ranks, rank_learner, args, cfg.trainer.timeout_s, model_path)
+    algo = get_algorithm(cfg.algo.name)
+    if algo.uses_critic and cfg.critic.placement == "separate":  # steps 1-3 on the critic's own process
+        from sao.trainer.critic_ranks import start_critic_rank
+
+        group = start_critic_rank(critic_learner, (cfg, str(model_path), str(ckpt) if ckpt is not None else None),
+                                  cfg.critic.threads)
+        return Learner(build_actor(cfg, model_path, ckpt), None, algo, cfg.algo, cfg.critic, cfg.train,
+                       dtype=resolve_dtype(cfg.engine.dtype), critic_group=group)
+    actor, critic = build_models(cfg, model_path, ckpt)
+    learner = Learner(actor, critic, algo, cfg.algo, cfg.critic, cfg.train, dtype=resolve_dtype(cfg.engine.dtype))
+    if sharded:  # saved by N ranks: its shards hold weights, optimizer states and counters
+        from sao.trainer.sharded_checkpoint import load_sharded
+
+        load_sharded(learner, ckpt / "trainer")
+    return learner
+
+
+def rank_learner(cfg: Config, model_path: str, ckpt: str | None):
+    """One rank's DistributedLearner (every rank runs this; module-level: it travels to spawned ranks).
+    Rank 0 reads the weights; ranks 1..N-1 build the models on the meta device and receive their
+    shards from it, so no rank but rank 0 ever holds a whole model."""
+    import torch.distributed as dist
+
+    from sao.models.quiet import quiet_transformers
+    from sao.trainer.distributed import DistributedLearner
+    from sao.trainer.sharded_checkpoint import load_sharded
+
+    quiet_transformers()  # a spawned rank starts with transformers' defaults
+    ckpt = Path(ckpt) if ckpt is not None else None
+    actor, critic = build_models(cfg, Path(model_path), ckpt, meta=dist.get_rank() != 0)
+    # one precision policy at 1 and N ranks: bf16 compute over fp32 master weights when engine.dtype says so
+    learner = DistributedLearner(actor, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train,
+                                 mixed_precision=resolve_dtype(cfg.engine.dtype) == torch.bfloat16, from_rank0=True)
+    if ckpt is not None and (ckpt / "trainer").is_dir():
+        load_sharded(learner, ckpt / "trainer")
+    # else a one-rank checkpoint: weights from its HF folders (build_models); its optimizer states and
+    # counters follow from rank 0 when the context loads trainer_state.pt (RankDriver.load_state_dict)
+    return learner
+
+
+def critic_learner(cfg: Config, model_path: str, ckpt: str | None) -> Learner:
+    """The critic's process's learner (critic.placement=separate; module-level: it travels to the spawned
+    process): the critic alone, built as `build_models` builds it, no actor."""
+    from sao.models.quiet import quiet_transformers
+
+    quiet_transformers()  # a spawned process starts with transformers' defaults
+    critic = build_critic_model(cfg, Path(model_path), Path(ckpt) if ckpt is not None else None)
+    return Learner(None, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train,
+                   dtype=resolve_dtype(cfg.engine.dtype))
+
+
+def build_models(cfg: Config, model_path: Path, ckpt: Path | None, meta: bool = False):
+    """Actor (LoRA when model.lora.r > 0) and, for critic algorithms, the critic (critic.path, a
+    checkpoint's, or one built from the policy), on trainer.device; weights from `ckpt` when resuming.
+    `meta`: the same models on the meta device, no weight read (a trainer rank that receives them)."""
+    actor = build_actor(cfg, model_path, ckpt, meta)  # first: a LoRA actor draws its init before the critic's
+    critic = build_critic_model(cfg, model_path, ckpt, meta) if get_algorithm(cfg.algo.name).uses_critic else None
+    return actor, critic
+
+
+def build_actor(cfg: Config, model_path: Path, ckpt: Path | None, meta: bool = False):
+    device = torch.device("meta") if meta else resolve_device(cfg.trainer.device)
+    actor = load_model(model_path, meta=meta).to(device)
+    if ckpt is not None and adapter_base(ckpt / "actor"):
+        return resume_lora(actor, ckpt / "actor")
+    return with_lora(actor, cfg.model.lora)  # lora.r=0: the model itself
+
+
+def build_critic_model(cfg: Config, model_path: Path, ckpt: Path | None, meta: bool = False):
+    device = torch.device("meta") if meta else resolve_device(cfg.trainer.device)
+    critic_path = ckpt / "critic" if ckpt is not None and (ckpt / "critic").is_dir() else cfg.critic.path
+    if critic_path and adapter_base(critic_path):  # a LoRA critic's adapter (a checkpoint, or pretrained)
+        return load_lora_critic(critic_path, device, meta=meta)
+    depth = {"num_layers": cfg.critic.num_layers, "depth": cfg.critic.depth}
+    critic = (load_critic(critic_path, meta=meta, **depth) if critic_path
+              else build_critic(model_path, meta=meta, **depth))
+    return with_lora(critic.to(device), cfg.critic.lora, value_head=True)
