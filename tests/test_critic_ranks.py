@@ -187,7 +187,8 @@ def test_sao_train_with_a_separate_critic_checkpoints_and_resumes_colocated(tmp_
     """The real CLI, async: the critic one batch ahead, then --resume of its checkpoint with the critic
     colocated; the audit shows no episode trained twice or lost."""
     from conftest import TINY
-    from test_runtime_faults import _rows, audit_of
+    from faults import audit_of
+    from faults import rows as _rows
 
     run = tmp_path / "runs" / "sep"
     # rollouts may run 3 batches ahead, so a finished batch usually waits in the queue when a step starts
@@ -217,43 +218,26 @@ def test_sao_train_with_a_separate_critic_checkpoints_and_resumes_colocated(tmp_
 
 
 @pytest.mark.slow
-def test_a_killed_critic_process_stops_the_run_in_one_line_and_sigterm_resume_loses_nothing(tmp_path):
+def test_sigterm_with_a_batch_in_the_critics_hands_resumes_losing_nothing(tmp_path):
     """The real CLI, async, critic.placement=separate: SIGTERM mid-run (a batch may be in the critic's hands:
-    it is trained first) writes a checkpoint that resumes with no episode lost or trained twice; then the
-    critic's process SIGKILLed: one line naming it, exit 1, nothing left behind."""
+    it is trained first) writes a checkpoint that resumes to the end with no episode lost or trained twice.
+    (The critic's process SIGKILLed: tests/test_faults.py.)"""
     import signal
 
     from conftest import TINY
-    from test_runtime_faults import _alive, _children, _popen, _rows, _wait_for_step, _workers, audit_of
+    from faults import audit_of, popen, rows, wait_for_step
 
     run = tmp_path / "runs" / "c"
-    args = [*TINY, "critic.placement=separate", "train.steps=40", "output.save_every=0", "output.name=c"]
-    proc = _popen(args, tmp_path)
-    _wait_for_step(proc, run, 3)
+    args = [*TINY, "critic.placement=separate", "train.steps=20", "output.save_every=0", "output.name=c"]
+    proc = popen(args, tmp_path)
+    wait_for_step(proc, run, 3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "checkpoint" in err and "Traceback" not in err, err[-3000:]
-    stopped = max(r["step"] for r in _rows(run) if "reward/mean" in r)
-    proc = subprocess.Popen([sys.executable, "-m", "sao.cli", "train", "--resume", str(run), "--quiet"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_step(proc, run, stopped + 3)
-    critic = [p for p, a in _children(proc.pid) if "multiprocessing.spawn" in a]
-    workers = _workers(proc.pid)
-    assert len(critic) == 1 and workers
-    t0 = time.time()
-    subprocess.run(["kill", "-KILL", str(critic[0])], check=True)
-    _, err = proc.communicate(timeout=120)
-    lines = err.strip().splitlines()
-    assert time.time() - t0 < 30 and proc.returncode == 1, err[-3000:]
-    assert f"the critic's process (pid {critic[0]}) exited with code -9" in lines[-1] and "Traceback" not in err
-    deadline = time.time() + 10
-    while time.time() < deadline and any(_alive(p) for p in workers):
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in workers), "a rollout worker outlived the run"
     res = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--resume", str(run), "--quiet"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)  # from the SIGTERM checkpoint, to the end
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert max(r["step"] for r in _rows(run) if "reward/mean" in r) == 40
+    assert [r["step"] for r in rows(run) if "reward/mean" in r] == list(range(1, 21))
     audit_of(run)  # every issued episode trained, dropped or pending; none trained twice
 
 
@@ -262,7 +246,7 @@ def test_sync_mode_with_a_separate_lora_critic(tmp_path):
     """--sync takes no batch early (the next batch is generated after the step); a LoRA critic on its own
     process saves its adapter, which a resume loads back into the critic's process."""
     from conftest import TINY
-    from test_runtime_faults import _rows
+    from faults import rows as _rows
 
     run = tmp_path / "runs" / "s"
     base = [sys.executable, "-m", "sao.cli", "train"]

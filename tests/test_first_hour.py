@@ -241,7 +241,7 @@ def test_a_run_with_no_checkpoint_yet_says_so(tmp_path):
 
 def test_the_default_settings_checkpoint_periodically():
     """Before: output.save_every=0, so a SIGKILL, an OOM or a reboot lost the whole run
-    (tests/test_runtime_faults.py kills a run and resumes it from such a checkpoint)."""
+    (tests/test_faults.py kills a run and resumes it from such a checkpoint)."""
     cfg = load_config(None, [])
     assert 0 < cfg.output.save_every < cfg.train.steps and cfg.output.keep_checkpoints >= 1
 

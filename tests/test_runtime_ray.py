@@ -1,14 +1,14 @@
 """The ray backend on the real CLI: same Trajectory contract, metrics, results and audit as local;
-a SIGKILLed worker actor is replaced and its episodes run again."""
+a SIGKILLed worker actor: tests/test_faults.py."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
 import pytest
-from test_runtime_faults import TINY, _popen, _rows, _wait_for_step, audit_of
+from conftest import TINY
+from faults import audit_of
+from faults import rows as _rows
 from test_smoke_train import REQUIRED
 
 pytestmark = pytest.mark.ray
@@ -36,16 +36,3 @@ def test_train_on_the_ray_backend(tmp_path, ray_address):
     assert not _actor_pids()  # the run's actors are gone; the shared cluster stays up
 
 
-def test_a_killed_ray_worker_is_replaced_and_its_episodes_run_again(tmp_path, ray_address):
-    run = tmp_path / "runs" / "rw"
-    proc = _popen([*TINY, "train.steps=12", "runtime.backend=ray", f"runtime.ray_address={ray_address}",
-                   "runtime.rollout_workers=2", "output.name=rw"], tmp_path)
-    _wait_for_step(proc, run, 1)
-    os.kill(_actor_pids()[0], signal.SIGKILL)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    rows = [r for r in _rows(run) if "reward/mean" in r]
-    assert [r["step"] for r in rows] == list(range(1, 13)) and rows[-1]["async/worker_restarts_total"] >= 1
-    events, _ = audit_of(run)
-    lost = {e["id"] for e in events if e["event"] == "lost"}
-    assert lost and lost <= {e["id"] for e in events if e["event"] == "finished"}

@@ -1,21 +1,17 @@
 """`sao train trainer.ranks=2` on the real CLI: the trainer on two FSDP2 ranks (gloo) that sao starts
-itself, sharded checkpoints that resume at another rank count, and a killed rank that stops the run in
-one line with nothing left behind (the math across ranks: tests/test_distributed.py)."""
+itself, sharded checkpoints that resume at another rank count, (a killed rank: tests/test_faults.py; the math
+across ranks: tests/test_distributed.py)."""
 
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from test_runtime_faults import TINY, _alive, _children, _popen, _rows, _wait_for_step, _workers, audit_of
+from conftest import TINY
+from faults import audit_of
+from faults import rows as _rows
 
 pytestmark = pytest.mark.slow
-
-
-def _followers(pid):
-    """Trainer ranks 1..N-1 of trainer `pid`: its spawned children (the fork server is the other child)."""
-    return [p for p, args in _children(pid) if "multiprocessing.spawn" in args]
 
 
 def test_two_ranks_train_checkpoint_and_resume_on_one(tmp_path):
@@ -57,29 +53,6 @@ def test_ranks_survive_batches_slower_than_the_collective_timeout(tmp_path):
     rows = [r for r in _rows(tmp_path / "runs" / "idle") if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert "Traceback" not in proc.stderr
-
-
-def test_a_killed_rank_stops_the_run_in_one_line_and_resume_loses_nothing(tmp_path):
-    run = tmp_path / "runs" / "k"
-    proc = _popen([*TINY, "trainer.ranks=2", "train.steps=12", "output.save_every=2", "output.name=k"], tmp_path)
-    _wait_for_step(proc, run, 3)
-    followers, workers = _followers(proc.pid), _workers(proc.pid)
-    assert len(followers) == 1 and workers
-    t0 = time.time()
-    subprocess.run(["kill", "-KILL", str(followers[0])], check=True)
-    out, err = proc.communicate(timeout=120)
-    assert time.time() - t0 < 60 and proc.returncode == 1, err[-3000:]
-    lines = err.strip().splitlines()
-    assert "trainer rank 1 exited with code -9" in lines[-1] and "Traceback" not in err, err[-3000:]
-    deadline = time.time() + 10
-    while time.time() < deadline and any(_alive(p) for p in workers + followers):
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in workers + followers), "a process outlived the run"
-    res = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--resume", str(run), "trainer.ranks=1",
-                          "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert [r["step"] for r in _rows(run) if "reward/mean" in r] == list(range(1, 13))
-    audit_of(run)  # every issued episode trained, dropped or pending; none trained twice
 
 
 def test_a_one_rank_run_resumes_on_two_ranks(tmp_path, sao_cli):

@@ -17,31 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime_faults import TINY, _alive, _popen, _rows, _wait_for_step, audit_of
+from conftest import TINY
+from faults import alive as _alive
+from faults import audit_of
+from faults import descendants as _descendants
+from faults import popen as _popen
+from faults import rows as _rows
+from faults import wait_for_step as _wait_for_step
 
 pytestmark = pytest.mark.ray
 
 RAY = [*TINY, "trainer.ranks=2", "runtime.backend=ray"]
-
-
-def _descendants(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every process below `pid` (the suite's Ray runs under this process)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(d.name))
-        except (ValueError, OSError, IndexError):
-            continue
-    out, todo = [], list(children.get(pid, []))
-    while todo:
-        p = todo.pop()
-        try:
-            out.append((p, Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()))
-        except OSError:
-            continue
-        todo += children.get(p, [])
-    return out
 
 
 def _ray_actors(name: str, root: int) -> list[int]:
@@ -180,31 +166,6 @@ def test_ranks_spread_over_two_nodes(tmp_path, two_nodes):
     assert sorted(names[p["node_id"]] for p in placement) == ["node_a", "node_b"]  # one rank on each node
     _wait(lambda: not any(_alive(p["pid"]) for p in placement), 15, None)
     assert not any(_alive(p["pid"]) for p in placement)
-
-
-def test_a_killed_rank_actor_stops_the_run_in_one_line_and_resume_on_one_rank(tmp_path, ray_address):
-    run = tmp_path / "runs" / "k"
-    proc = _popen([*RAY, f"runtime.ray_address={ray_address}", "train.steps=12", "output.save_every=2",
-                   "output.name=k"], tmp_path)
-    _wait_for_step(proc, run, 3)
-    placement = _placement(_latest(run))
-    rollout = _ray_actors("RolloutActor", os.getpid())
-    assert rollout and all(_alive(p["pid"]) for p in placement)
-    t0 = time.time()
-    os.kill(placement[1]["pid"], signal.SIGKILL)
-    out, err = proc.communicate(timeout=120)
-    assert time.time() - t0 < 60 and proc.returncode == 1, err[-3000:]
-    line = err.strip().splitlines()[-1]
-    print(f"stopped {time.time() - t0:.1f} s after the SIGKILL: {line}")  # shown with pytest -s
-    assert f"trainer rank 1 (Ray actor, pid {placement[1]['pid']}" in line and "died" in line, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    _wait(lambda: not any(_alive(p) for p in [placement[0]["pid"], *rollout]), 15, None)
-    assert not any(_alive(p) for p in [placement[0]["pid"], *rollout]), "a process outlived the run"
-    assert not _ray_actors("TrainerRank", os.getpid())
-    res = _cli(["--resume", str(run), "trainer.ranks=1", f"runtime.ray_address={ray_address}"], tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert [r["step"] for r in _rows(run) if "reward/mean" in r] == list(range(1, 13))
-    audit_of(run)  # every issued episode trained, dropped or pending; none trained twice
 
 
 def test_a_hung_rank_actor_is_bounded_by_the_collective_timeout(tmp_path, ray_address):
