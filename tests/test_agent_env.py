@@ -14,6 +14,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the agent extra is not installed (pip install 'sao[agent]')")
 pytest.importorskip("uvicorn")
+import httpx  # noqa: E402,F401  loaded here: agents in two threads importing it at once can see it half-initialized
 
 from sao.engine.torch_engine import TorchEngine  # noqa: E402
 from sao.envs import make_environment  # noqa: E402
@@ -172,8 +173,6 @@ def nan_reward_agent(task, base_url, api_key):
 def hostile_requests_agent(task, base_url, api_key):
     """Requests that must be refused with 4xx before they reach the engine (or blow the worker's memory),
     then one good call."""
-    import httpx
-
     head = {"Authorization": f"Bearer {api_key}"}
     good = [{"role": "user", "content": task["prompt"]}]
     with httpx.Client(base_url=base_url, headers=head, timeout=30) as http:
@@ -521,3 +520,102 @@ def test_hostile_requests_are_refused_and_never_end_another_episode(tiny, tasks)
     assert hostile.metrics["agent/calls"] == 1  # only the good call reached the engine
     assert normal.status == Status.OK and normal.metrics["agent/calls"] == 3, normal.status_reason
 
+
+
+HOARDER = textwrap.dedent('''
+    import os, socket, sys, time, urllib.parse, urllib.request, json
+    url = urllib.parse.urlparse(os.environ["OPENAI_BASE_URL"])
+    held = []
+
+    def hold(n):  # connections that never send a request, as many as this process's own limit allows
+        for _ in range(n):
+            try:
+                held.append(socket.create_connection((url.hostname, url.port), timeout=5))
+            except OSError:
+                return
+
+    hold(int(sys.argv[1]))
+    time.sleep(float(sys.argv[2]))
+    del held[:20]
+    hold(20)  # 20 more, which the endpoint must make room for
+    del held[:10]  # descriptors of this process's own for its one call
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/completions", method="POST",
+                                 data=json.dumps({"model": "sao", "prompt": [5, 6], "max_tokens": 2}).encode(),
+                                 headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                                          "Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=30).read()
+    print(1.0)
+''')
+
+
+def late_three_calls(task, base_url, api_key):
+    time.sleep(1.5)  # while the other episode's connections are held
+    return three_calls(task, base_url, api_key)
+
+
+def test_idle_connections_of_one_episode_never_end_another(tiny, tasks, tmp_path):
+    """An agent (its own process) holds hundreds of connections that never send a request, on a worker
+    whose descriptor limit is 256; the agent beside it, on the same endpoint, makes its 3 calls and
+    finishes. Before: the held connections took the worker's descriptors and the other episode ended
+    env_error (too many open files)."""
+    import resource
+
+    model, codec = tiny
+    script = tmp_path / "hoarder.py"
+    script.write_text(HOARDER)
+    hoarder = make_environment("agent", {"path": str(tasks), "command": f"{sys.executable} {script} 400 4"}, seed=0)
+    calm = make_environment("agent", {"path": str(tasks), "agent": "test_agent_env:late_three_calls"}, seed=0)
+    task, other = next(hoarder.train_tasks()), list(zip(calm.train_tasks(), range(2)))[1][0]
+    engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=4, seed=0)
+    limits = EpisodeLimits(max_turns=4, max_action_tokens=8, max_episode_tokens=250, step_timeout_s=60)
+
+    async def go():
+        try:
+            return await asyncio.gather(
+                run_episode(hoarder.new_episode(EpisodeContext()), task, engine, codec, SamplingParams(), limits),
+                run_episode(calm.new_episode(EpisodeContext()), other, engine, codec, SamplingParams(), limits))
+        finally:
+            await engine.close()
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        hoarding, normal = asyncio.run(go())
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert normal.status == Status.OK and normal.metrics["agent/calls"] == 3, normal.status_reason
+    assert hoarding.status in (Status.OK, Status.TRUNCATED), hoarding.status_reason  # its own call still served
+    assert hoarding.metrics["agent/calls"] == 1
+
+
+def connection_bounds_agent(task, base_url, api_key):
+    """Holds more kept-alive connections than its episode may (4 here), then one that sends nothing."""
+    import socket
+    import urllib.parse
+
+    url = urllib.parse.urlparse(base_url)
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\n"
+               "Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}").encode()
+    held, codes = [], []
+    for _ in range(6):
+        s = socket.create_connection((url.hostname, url.port), timeout=10)
+        s.sendall(request)
+        codes.append(int(s.recv(4096).split(b" ", 2)[1]))  # the connection stays open (kept alive)
+        held.append(s)
+    assert codes == [400] * 4 + [429] * 2, codes  # bound to this episode up to its limit, then refused
+    silent = socket.create_connection((url.hostname, url.port), timeout=10)
+    t0 = time.time()
+    assert silent.recv(1) == b"" and 0.5 < time.time() - t0 < 5  # closed by the endpoint after first_request_s
+    for s in held:
+        s.close()
+    time.sleep(0.3)  # the endpoint sees them go
+    openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).completions.create(
+        model="sao", prompt=[5, 6, 7], max_tokens=3)
+    return 1.0
+
+
+def test_an_episode_holds_at_most_its_connections_and_a_silent_one_is_closed(tiny, tasks):
+    model, codec = tiny
+    traj, _ = run(tasks, "connection_bounds_agent", TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=4, seed=0),
+                  codec, max_connections_per_episode=4, first_request_s=1.0)
+    assert traj.status in (Status.OK, Status.TRUNCATED) and traj.metrics["agent/calls"] == 1, traj.status_reason

@@ -57,6 +57,13 @@ class AgentOptions(DatasetOptions):
         "a call whose messages do not extend the episode's earlier messages and replies is answered with "
         "HTTP 409 and counted (agent/rewrites); a trajectory is one token sequence, so it is never retokenized"))
     host: str = Field("127.0.0.1", description="address the worker's endpoint listens on")
+    max_connections: int = Field(256, ge=2, description=(
+        "open connections to a worker's endpoint, all episodes together (held under a quarter of the process's "
+        "descriptor limit); past it, the oldest connection that has sent no request is closed"))
+    max_connections_per_episode: int = Field(16, ge=1, description=(
+        "connections one episode's agent may hold; a request on one more is answered 429 and the connection closed"))
+    first_request_s: float = Field(10.0, gt=0, description=(
+        "a connection that sends no request within this many seconds is closed"))
 
     @model_validator(mode="after")
     def _one_agent(self) -> AgentOptions:

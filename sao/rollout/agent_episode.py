@@ -15,7 +15,7 @@ import shlex
 
 from sao.envs.agent import AgentEpisode
 from sao.models.chat import ChatCodec
-from sao.rollout.agent_server import endpoint
+from sao.rollout.agent_server import ConnectionGuard, endpoint
 from sao.rollout.agent_session import AgentSession
 from sao.rollout.env_calls import call_env
 from sao.rollout.trajectory import TrajectoryBuilder, finite_reward
@@ -69,7 +69,8 @@ async def drive_agent(env: AgentEpisode, task: Task, build: TrajectoryBuilder, e
     row = {"id": task.id, "prompt": task.prompt, "answer": task.answer, "meta": task.meta}
     ep = None
     try:
-        ep = await endpoint(o.host)
+        ep = await endpoint(o.host, ConnectionGuard(o.max_connections, o.max_connections_per_episode,
+                                                    o.first_request_s))  # the bounds of the first episode's options
         ep.sessions[key] = session
         if env.agent is not None:
             result = await call_env(env.agent, row, ep.base_url, key, timeout=o.timeout_s)

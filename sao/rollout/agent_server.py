@@ -4,14 +4,22 @@
 
     POST /v1/chat/completions   AgentSession.chat        POST /v1/completions   AgentSession.complete
     GET  /v1/models             one model, "sao"
+
+Connections are bounded so that one episode's agent cannot take what another's needs (`ConnectionGuard`):
+a connection belongs to the episode whose key its first request carries; an episode holds at most
+`max_per_episode` of them (more: HTTP 429, then closed); one that has sent no request within
+`first_request_s` is closed, and when the worker's `max_connections` are open the oldest such
+connection is closed to make room. Kept-alive connections close after 5 idle seconds (uvicorn).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import socket
 import time
+from collections import OrderedDict
 
 from sao.rollout.agent_session import AgentSession, Refused
 
@@ -35,12 +43,78 @@ async def read_json(request, limit: int = MAX_BODY_BYTES):
     return json.loads(b"".join(chunks))
 
 
+class ConnectionGuard:
+    """The endpoint's open connections: which episode each belongs to, and the bounds above. `max_connections`
+    is also held under a quarter of the process's descriptor limit, so connections never take the descriptors
+    the worker's engine, environments and other agents need."""
+
+    def __init__(self, max_connections: int = 256, max_per_episode: int = 16, first_request_s: float = 10.0):
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_connections = max(2, min(max_connections, soft // 4 if soft > 0 else max_connections))
+        self.max_per_episode, self.first_request_s = max_per_episode, first_request_s
+        self.unbound: OrderedDict = OrderedDict()  # connection -> opened at, oldest first: no request yet
+        self.owner: dict = {}  # connection -> the API key of its first request
+        self.by_client: dict = {}  # (host, port) of the peer -> connection
+        self.refused = 0  # connections closed by a bound (for tests and the worker's logs)
+
+    def opened(self, conn, client) -> None:
+        self.by_client[client] = conn
+        self.unbound[conn] = time.monotonic()
+        if len(self.unbound) + len(self.owner) > self.max_connections:
+            self._close(next(iter(self.unbound)))  # the oldest that has asked for nothing (maybe this one)
+        if conn in self.unbound:
+            asyncio.get_running_loop().call_later(self.first_request_s, self._expire, conn)
+
+    def closed(self, conn, client) -> None:
+        self.unbound.pop(conn, None)
+        self.owner.pop(conn, None)
+        if self.by_client.get(client) is conn:
+            del self.by_client[client]
+
+    def bind(self, client, key: str) -> bool:
+        """A request with `key` arrived on the connection from `client`: False if that episode already
+        holds `max_per_episode` connections. A kept-alive connection used with another key moves to it."""
+        conn = self.by_client.get(client)
+        if conn is None or self.owner.get(conn) == key:
+            return True
+        if sum(k == key for k in self.owner.values()) >= self.max_per_episode:
+            return False
+        self.unbound.pop(conn, None)
+        self.owner[conn] = key
+        return True
+
+    def _expire(self, conn) -> None:
+        if conn in self.unbound:
+            self._close(conn)
+
+    def _close(self, conn) -> None:
+        self.unbound.pop(conn, None)
+        self.refused += 1
+        conn.transport.close()
+
+
+def guarded(protocol: type, guard: ConnectionGuard) -> type:
+    """uvicorn's HTTP protocol class with every connection reported to `guard`."""
+
+    class Guarded(protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            guard.opened(self, self.client)
+
+        def connection_lost(self, exc) -> None:
+            guard.closed(self, self.client)
+            super().connection_lost(exc)
+
+    return Guarded
+
+
 class Endpoint:
     """The worker's server: routes each call to its episode by API key."""
 
-    def __init__(self) -> None:
+    def __init__(self, guard: ConnectionGuard | None = None) -> None:
         self.sessions: dict[str, AgentSession] = {}
         self.base_url = ""
+        self.guard = guard or ConnectionGuard()
 
     def app(self):
         from starlette.applications import Starlette
@@ -54,6 +128,11 @@ class Endpoint:
                 session = self.sessions.get(key)
                 if session is None:
                     return JSONResponse(_error("unknown API key (each episode has its own)", "invalid_api_key"), 401)
+                client = tuple(request.client) if request.client else None
+                if not self.guard.bind(client, key):
+                    return JSONResponse(_error(f"this episode already holds {self.guard.max_per_episode} connections "
+                                               "(env.options.max_connections_per_episode)", "too_many_connections"),
+                                        429, headers={"connection": "close"})
                 try:
                     body = await read_json(request)
                     if not isinstance(body, dict):
@@ -93,7 +172,10 @@ class Endpoint:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets: without it
         # a keep-alive reply waits ~40 ms for a delayed ACK (measured: 44 ms -> 0.5 ms per call, benchmarks/integrations.py)
         sock.bind((host, 0))
-        server = Server(uvicorn.Config(self.app(), lifespan="off", log_level="warning", access_log=False))
+        config = uvicorn.Config(self.app(), lifespan="off", log_level="warning", access_log=False)
+        config.load()  # resolves the HTTP protocol class ("auto": httptools if installed, else h11)
+        config.http_protocol_class = guarded(config.http_protocol_class, self.guard)
+        server = Server(config)
         self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
         while not server.started:
             if self._task.done():
@@ -109,13 +191,13 @@ def _error(message: str, code: str) -> dict:
 _endpoints: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}
 
 
-async def endpoint(host: str) -> Endpoint:
-    """This event loop's endpoint, started on first use."""
+async def endpoint(host: str, guard: ConnectionGuard | None = None) -> Endpoint:
+    """This event loop's endpoint, started on first use (with `guard`'s bounds)."""
     loop = asyncio.get_running_loop()
     for old in [lp for lp in _endpoints if lp.is_closed()]:  # asyncio.run per batch (sync mode): one server per loop
         del _endpoints[old]
     if loop not in _endpoints:
-        ep = Endpoint()
+        ep = Endpoint(guard)
         _endpoints[loop] = loop.create_task(ep.start(host))
         _endpoints[loop].endpoint = ep
     fut = _endpoints[loop]
