@@ -2,6 +2,7 @@
 client; the trajectory holds exactly the engine's sampled tokens, masks, log-probs and versions."""
 
 import asyncio
+import collections
 import json
 import os
 import subprocess
@@ -619,3 +620,80 @@ def test_an_episode_holds_at_most_its_connections_and_a_silent_one_is_closed(tin
     traj, _ = run(tasks, "connection_bounds_agent", TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=4, seed=0),
                   codec, max_connections_per_episode=4, first_request_s=1.0)
     assert traj.status in (Status.OK, Status.TRUNCATED) and traj.metrics["agent/calls"] == 1, traj.status_reason
+
+
+FUZZ: dict[str, list] = {}
+
+
+def fuzz_chat_agent(task, base_url, api_key):
+    return fuzz_agent(task, base_url, api_key, chat=True)
+
+
+def fuzz_completions_agent(task, base_url, api_key):
+    return fuzz_agent(task, base_url, api_key, chat=False)
+
+
+def fuzz_agent(task, base_url, api_key, chat: bool):
+    """100 seeded mutations of a valid chat (or completions) body: wrong types, odd numbers, deep or huge
+    values, unknown fields, broken JSON and UTF-8; each answered, the statuses kept for the test."""
+    import random
+
+    rng = random.Random(0)
+    odd = [None, True, False, -1, 0, 1.5, 10**30, 1e308, "", "5", "x" * 5000, "\udc80", [], {}, [[[]]], {"a": {"b": []}},
+           [1] * 3000, -(2**63), "NaN"]
+    valid = ({"model": "sao", "messages": [{"role": "user", "content": task["prompt"]}], "max_tokens": 3} if chat
+             else {"model": "sao", "prompt": [5, 6, 7], "max_tokens": 3})
+    path = "/chat/completions" if chat else "/completions"
+    head = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    codes = FUZZ.setdefault(task["id"], [])
+    with httpx.Client(base_url=base_url, headers=head, timeout=30) as http:
+        for _ in range(100):
+            body = json.loads(json.dumps(valid))  # valid: it extends the episode so far (chat)
+            kind = rng.randrange(6)
+            if kind == 0:  # a field's value replaced
+                body[rng.choice(list(body))] = rng.choice(odd)
+            elif kind == 1 and chat:  # inside the newest message
+                body["messages"][-1][rng.choice(["role", "content", "name", "tool_calls"])] = rng.choice(odd)
+            elif kind == 2:  # a field removed, an unknown one added
+                body.pop(rng.choice(list(body)), None)
+                body[rng.choice(["n", "stream", "tools", "temperature", "stop", "x"])] = rng.choice(odd)
+            elif kind == 3:  # not an object at all
+                body = rng.choice(odd)
+            raw = json.dumps(body).encode("utf-8", "surrogatepass")
+            if kind == 4:  # broken JSON or UTF-8
+                raw = rng.choice([raw[: rng.randrange(len(raw))], b"\xff\xfe" + raw, raw + b"}", b"{\"a\": nan}"])
+            r = http.post(path, content=raw)
+            codes.append(r.status_code)
+            if r.status_code == 200 and chat:  # the next valid body extends the conversation as served
+                reply = r.json()["choices"][0]["message"]["content"]
+                valid["messages"] = body["messages"] + [{"role": "assistant", "content": reply},
+                                                        {"role": "user", "content": "go on"}]
+    return 1.0
+
+
+def test_fuzzed_requests_get_a_4xx_and_never_end_another_episode(tiny, tasks):
+    """The endpoint's request parser under 100 seeded malformed requests per API: every one answered 2xx
+    or 4xx (never 5xx: that would be the shared engine or the server failing), the fuzzing episodes end
+    normally, and a normal agent beside them on the same engine makes its 3 calls."""
+    model, codec = tiny
+    envs = [make_environment("agent", {"path": str(tasks), "agent": f"test_agent_env:{a}"}, seed=0)
+            for a in ("fuzz_chat_agent", "fuzz_completions_agent", "late_three_calls")]
+    picked = [t for t, _ in zip(envs[0].train_tasks(), range(3))]
+    engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=4, seed=0)
+    limits = EpisodeLimits(max_turns=40, max_action_tokens=4, max_episode_tokens=4000, step_timeout_s=120)
+
+    async def go():
+        try:
+            return await asyncio.gather(*(run_episode(e.new_episode(EpisodeContext()), t, engine, codec, SamplingParams(),
+                                                      limits) for e, t in zip(envs, picked)))
+        finally:
+            await engine.close()
+
+    *fuzzing, normal = asyncio.run(go())
+    for task, traj in zip(picked, fuzzing):
+        codes = FUZZ[task.id]
+        print(sorted(collections.Counter(codes).items()))  # shown with pytest -s
+        assert len(codes) == 100 and all(c < 500 for c in codes), sorted(set(codes))
+        assert 400 in codes and traj.metrics["agent/calls"] >= 1  # refusals, and mutations the engine served
+        assert traj.status in (Status.OK, Status.TRUNCATED), traj.status_reason
+    assert normal.status == Status.OK and normal.metrics["agent/calls"] == 3, normal.status_reason
