@@ -177,7 +177,8 @@ def test_a_bench_killed_mid_run_runs_that_run_again_and_keeps_the_partial_one(tm
         "overrides: [model.hidden_size=32, model.num_layers=1, model.num_heads=2, model.intermediate_size=64,\n"
         "            sft.steps=5, sft.batch_size=4, train.steps=6, train.batch_size=4, critic.warmup_steps=1,\n"
         "            rollout.max_turns=2, rollout.max_action_tokens=8, eval.every=0, eval.num_tasks=4,\n"
-        "            env.options.step_latency_s=1.0, model.cache_dir=cache]\n"
+        "            env.options.step_latency_s=1.0, env.options.step_latency_sigma=0, runtime.issue_ahead=0,\n"
+        "            model.cache_dir=cache]\n"
         "variants:\n  sao: [algo.name=sao]\n")
     cmd = [sys.executable, "-m", "sao.cli", "bench", str(exp), "--out", "out", "--runs", "r"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
