@@ -27,11 +27,11 @@ class StalledError(RunStopped):
 
 class AsyncSource:
     def __init__(self, backend, scheduler: Scheduler, queue: Queue, batch_size: int, max_lag: int, receive_timeout_s: float,
-                 stop: StopFlag, threads: AdaptiveThreads | None = None, wait_s: float = 0.0):
+                 stop: StopFlag, threads: AdaptiveThreads | None = None):
         self.backend, self.scheduler, self.queue, self.stop = backend, scheduler, queue, stop
         self.batch_size, self.max_lag, self.receive_timeout_s = batch_size, max_lag, receive_timeout_s
         self.threads = threads  # the trainer's threads while no episode is in flight (sao/runtime/threads.py)
-        self.wait_s = wait_s  # the run's total time waiting for batches (a resume carries it on)
+        self.wait_s = 0.0  # this process's time waiting for batches (Saver adds an earlier process's)
         self.t_start, self.sync_ms = time.perf_counter(), 0.0
 
     def _take(self, step: int, version: int) -> list[Trajectory]:
