@@ -69,7 +69,13 @@ class Generation:
 
 @dataclass
 class Trajectory:
-    """`[prompt, a_0, o_0, a_1, ..., a_n]` as token ids, exactly as sampled (docs/algorithm.md §2)."""
+    """`[prompt, a_0, o_0, a_1, ..., a_n]` as token ids, exactly as sampled (docs/algorithm.md §2).
+
+    One episode may be several token sequences (segments): an agent whose chat template re-renders its
+    history (env.options.on_rewrite=segment) or one sample per call (env.options.sample_unit=turn)
+    continues on a new prompt. `segment_starts` holds where each segment after the first begins in
+    `token_ids` (its first tokens are its prompt, action_mask 0); the trainer makes each segment a row of
+    its batch and carries the episode's return across them (docs/algorithm.md §2)."""
 
     id: str
     task_id: str
@@ -85,6 +91,12 @@ class Trajectory:
     started_at: float = 0.0
     finished_at: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    segment_starts: list[int] = field(default_factory=list)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """(start, end) of each token sequence in `token_ids`: one unless the episode was segmented."""
+        bounds = [0, *self.segment_starts, len(self.token_ids)]
+        return list(zip(bounds[:-1], bounds[1:]))
 
     @property
     def num_action_tokens(self) -> int:
@@ -117,6 +129,12 @@ class Trajectory:
         row = json.loads(line)
         row["status"] = Status(row["status"])
         return cls(**row)
+
+
+def segment_rows(trajectories: list[Trajectory]) -> list[tuple[int, int, int]]:
+    """The rows a batch of trajectories becomes, in order: (trajectory index, start, end), one per segment
+    that holds an action token (a segment without one gives the trainer nothing)."""
+    return [(i, a, b) for i, t in enumerate(trajectories) for a, b in t.segments() if any(t.action_mask[a:b])]
 
 
 # -- records between the trainer and its rollout workers (runtime backends) -----------------------

@@ -275,7 +275,7 @@ def test_tool_calls_round_trip_through_the_openai_client(tiny, tasks):
 def test_rewritten_history_is_refused_and_counted(tiny, tasks):
     model, codec = tiny
     engine = Recording(TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=4, seed=0))
-    traj, _ = run(tasks, "rewriting_agent", engine, codec)
+    traj, _ = run(tasks, "rewriting_agent", engine, codec, on_rewrite="refuse")
     assert traj.status == Status.OK, traj.status_reason
     assert (traj.metrics["agent/rewrites"], traj.metrics["agent/calls"]) == (1, 2)
     (p1, g1), (p2, g2) = engine.gens

@@ -121,7 +121,9 @@ def test_shard_rows_balances_tokens_keeps_groups_whole_and_feeds_every_rank():
     assert shard_rows([10, 1, 1, 1, 1, 10], None, 2) == [[0, 1, 2], [3, 4, 5]]  # 12 tokens each
     assert shard_rows([5] * 6, ["a", "a", "b", "b", "c", "c"], 2) == [[0, 1, 2, 3], [4, 5]]  # groups whole
     assert shard_rows([100, 1, 1], None, 3) == [[0], [1], [2]]  # a rank with few tokens still gets a row
-    with pytest.raises(ValueError, match="2 groups cannot be split over 3"):
+    # a segmented episode's rows (Batch.unit_keys) stay on one rank: its GAE runs across them
+    assert shard_rows([5, 5, 5, 1, 1, 5], ["0", "0", "0", "1", "1", "2"], 2) == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(ValueError, match="2 groups or episodes cannot be split over 3"):
         shard_rows([5] * 4, ["a", "a", "b", "b"], 3)
 
 

@@ -4,6 +4,11 @@ the step-level variant of the ablation (paper App. A.1).
 GAE runs over action tokens only, in order. Observation (and prompt, padding) positions are
 skipped: the last token of action i links straight to the first token of action i+1, so an
 observation never receives an advantage and never breaks the TD chain.
+
+A segmented episode (several rows, `episodes`: sao/trainer/batch.py) is one chain across its rows: each
+segment's values come from the critic on that segment's own tokens, and the last action token of
+segment k links to the first of segment k+1 as across an observation, so the return is carried from
+the episode's end through every segment (docs/algorithm.md §4).
 """
 
 from __future__ import annotations
@@ -17,39 +22,65 @@ def length_adaptive_lambda(num_action_tokens: torch.Tensor, alpha: float = 1.5) 
     return (1.0 - 1.0 / (alpha * length)).clamp(0.0, 1.0)
 
 
+def _episode_index(episodes: torch.Tensor | None, B: int, device) -> tuple[torch.Tensor, int]:
+    """(each row's episode as 0..E-1, E); rows without `episodes` are an episode each."""
+    if episodes is None:
+        return torch.arange(B, device=device), B
+    uniq, inverse = torch.unique(episodes.to(device), return_inverse=True)
+    return inverse, len(uniq)
+
+
+def episode_totals(per_row: torch.Tensor, episodes: torch.Tensor | None) -> torch.Tensor:
+    """(B,) the sum of `per_row` over each row's episode (per_row itself without segments)."""
+    if episodes is None:
+        return per_row
+    e, E = _episode_index(episodes, per_row.shape[0], per_row.device)
+    return torch.zeros(E, dtype=per_row.dtype, device=per_row.device).index_add_(0, e, per_row)[e]
+
+
 def skip_observation_gae(
     rewards: torch.Tensor,  # (B, T) reward on the last action token, 0 elsewhere
     values: torch.Tensor,  # (B, T) V(s_t) at action positions
     action_mask: torch.Tensor,  # (B, T) 1 on action tokens
     gamma: float,
     lam: float | torch.Tensor,  # scalar or (B,)
+    episodes: torch.Tensor | None = None,  # (B,) rows of one episode, in order; None: every row its own
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (advantages, returns), both (B, T), zero off the action mask; the same numbers as
     `skip_observation_gae_reference`, with the loop over action tokens only (A, not T steps).
 
-    The action tokens of each trajectory are gathered in order into (B, A), where the chain has no
-    gaps: delta_i = r_i + gamma * V_{i+1} - V_i (V = 0 past the last one: terminal) and
-    A_i = delta_i + gamma * lam * A_{i+1}.
+    The action tokens of each episode (a row, or its rows in order) are gathered in order into (E, A),
+    where the chain has no gaps: delta_i = r_i + gamma * V_{i+1} - V_i (V = 0 past the last one:
+    terminal) and A_i = delta_i + gamma * lam * A_{i+1}. An episode's rows share one lambda (its first
+    row's).
     """
     B, T = rewards.shape
+    dev = values.device
     mask = action_mask.to(torch.bool)
     lam_t = torch.as_tensor(lam, dtype=values.dtype).expand(B) if not torch.is_tensor(lam) else lam.to(values.dtype)
+    e, E = _episode_index(episodes, B, dev)
+    counts = mask.sum(1)  # action tokens per row
+    per_episode = torch.nn.functional.one_hot(e, E) * counts[:, None]  # (B, E)
+    earlier = per_episode.cumsum(0)[torch.arange(B, device=dev), e] - counts  # in the episode's earlier rows
     rows, cols = mask.nonzero(as_tuple=True)  # action tokens, row-major: in order within a row
-    rank = mask.cumsum(1)[rows, cols] - 1  # index of each among its row's action tokens
+    rank = earlier[rows] + mask.cumsum(1)[rows, cols] - 1  # index of each among its episode's action tokens
+    key = e[rows]
     A = int(rank.max()) + 1 if rank.numel() else 0
-    v = torch.zeros(B, A + 1, dtype=values.dtype)  # one extra column: the terminal V = 0
-    r = torch.zeros(B, A, dtype=values.dtype)
-    v[rows, rank] = values[rows, cols]
-    r[rows, rank] = rewards[rows, cols].to(values.dtype)
-    delta = r + gamma * v[:, 1:] - v[:, :-1]  # (B, A); 0 past each row's last action token
-    c = gamma * lam_t  # (B,)
+    v = torch.zeros(E, A + 1, dtype=values.dtype, device=dev)  # one extra column: the terminal V = 0
+    r = torch.zeros(E, A, dtype=values.dtype, device=dev)
+    v[key, rank] = values[rows, cols]
+    r[key, rank] = rewards[rows, cols].to(values.dtype)
+    delta = r + gamma * v[:, 1:] - v[:, :-1]  # (E, A); 0 past each episode's last action token
+    first = torch.full((E,), B, device=dev).scatter_reduce_(0, e, torch.arange(B, device=dev), "amin")
+    lam_e = lam_t.to(dev)[first] if B else lam_t.to(dev)  # each episode's first row's
+    c = gamma * lam_e  # (E,)
     adv = torch.empty_like(delta)
-    nxt = torch.zeros(B, dtype=values.dtype)
+    nxt = torch.zeros(E, dtype=values.dtype, device=dev)
     for i in reversed(range(A)):
         nxt = delta[:, i] + c * nxt
         adv[:, i] = nxt
     advantages = torch.zeros_like(values)
-    advantages[rows, cols] = adv[rows, rank]
+    advantages[rows, cols] = adv[key, rank]
     returns = (advantages + values) * action_mask
     return advantages, returns
 
@@ -134,11 +165,12 @@ def step_level_gae(
     gamma: float,
     alpha: float,
     mode: str = "state",
+    episodes: torch.Tensor | None = None,  # (B,) rows of one episode, in order; None: every row its own
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step-level GAE (paper App. A.1): one advantage per turn, broadcast to that turn's action tokens.
 
-    Per trajectory with turns i = 0..n-1, V_i = the turn's value (`mode`), r_i = reward inside turn i,
-    lambda = clip(1 - 1/(alpha * n), 0, 1) from the number of turns n (not tokens):
+    Per episode (a row, or its rows in order) with turns i = 0..n-1, V_i = the turn's value (`mode`),
+    r_i = reward inside turn i, lambda = clip(1 - 1/(alpha * n), 0, 1) from the number of turns n (not tokens):
         for i in reversed(range(n)):
             delta_i = r_i + gamma * V_{i+1} - V_i        (V_n = 0: terminal)
             A_i     = delta_i + gamma * lambda * A_{i+1}
@@ -146,12 +178,14 @@ def step_level_gae(
     """
     advantages = torch.zeros_like(values)
     lambdas = torch.zeros(values.shape[0], dtype=values.dtype)
-    for b in range(values.shape[0]):
-        turns = turn_spans(action_mask[b])
+    e, E = _episode_index(episodes, values.shape[0], torch.device("cpu"))
+    for k in range(E):
+        rows = (e == k).nonzero().flatten().tolist()
+        turns = [(b, run) for b in rows for run in turn_spans(action_mask[b])]
         lam = float(length_adaptive_lambda(torch.tensor(float(len(turns))), alpha))
-        lambdas[b] = lam
+        lambdas[rows] = lam
         next_value, next_adv = 0.0, 0.0
-        for run in reversed(turns):
+        for b, run in reversed(turns):
             v = float(_turn_value(values[b], run, mode))
             adv = float(rewards[b, run].sum()) + gamma * next_value - v + gamma * lam * next_adv
             advantages[b, run] = adv

@@ -53,9 +53,15 @@ class AgentOptions(DatasetOptions):
     tool_parser: Literal["hermes", "none"] = Field("hermes", description=(
         "how tool calls are read from sampled text: hermes = <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> "
         "blocks (Qwen, Hermes, SmolLM2 templates); none: never"))
-    on_rewrite: Literal["refuse"] = Field("refuse", description=(
-        "a call whose messages do not extend the episode's earlier messages and replies is answered with "
-        "HTTP 409 and counted (agent/rewrites); a trajectory is one token sequence, so it is never retokenized"))
+    on_rewrite: Literal["segment", "refuse"] = Field("segment", description=(
+        "a call whose prompt does not extend the episode's tokens (a thinking model's template drops earlier "
+        "<think> parts; an agent trims its history): segment = the episode goes on as a new token sequence whose "
+        "prompt is the request as rendered (earlier tokens stay as sampled; the trainer carries the return across "
+        "segments); refuse = HTTP 409. Counted either way (agent/rewrites)"))
+    sample_unit: Literal["episode", "turn"] = Field("episode", description=(
+        "episode: the calls extend one sequence where they can; turn: every call is its own segment (its prompt "
+        "as rendered, one training sample per call, the episode's reward and GAE carried across them); a batch "
+        "counts episodes either way"))
     host: str = Field("127.0.0.1", description="address the worker's endpoint listens on")
     max_connections: int = Field(256, ge=2, description=(
         "open connections to a worker's endpoint, all episodes together (held under a quarter of the process's "

@@ -93,5 +93,6 @@ async def drive_agent(env: AgentEpisode, task: Task, build: TrajectoryBuilder, e
     elif session.calls == 0 and traj.status in (Status.OK, Status.TRUNCATED):
         build.end(Status.ENV_ERROR, "the agent made no model call")
     traj.metrics.update({"agent/calls": float(session.calls), "agent/rewrites": float(session.rewrites),
+                         "agent/segments": float(len(traj.segment_starts) + 1),
                          "agent/tool_calls": float(session.tool_calls),
                          "agent/overhead_ms_per_call": 1000 * session.overhead_s / max(session.calls, 1)})

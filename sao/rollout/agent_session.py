@@ -5,13 +5,18 @@ API key; the session appends through the episode's `TrajectoryBuilder` (sao/roll
 
     first call     prompt = chat template of the messages (+ tools)          action_mask 0
     each call      sampled tokens (engine.generate, session = the episode)   action_mask 1, logprobs, versions
-    later calls    messages[:n] must equal the n messages and replies so far (compared as messages, not
-                   text); only messages[n:] are rendered: the template text after the last reply's
-                   end-of-turn, tokenized alone                              action_mask 0
-                   anything else is a rewritten history: HTTP 409, counted in agent/rewrites, nothing appended
+    later calls    messages[:n] equal the n messages and replies so far (compared as messages, not
+                   text) and the template renders them as before: only messages[n:] are rendered, the
+                   template text after the last reply's end-of-turn, tokenized alone   action_mask 0
+                   anything else is a rewritten history (a thinking model's template drops the earlier
+                   <think> parts; an agent that trims its context), counted in agent/rewrites:
+                     options.on_rewrite=segment  a new segment of the episode: its prompt is the whole
+                                                 request rendered and tokenized         action_mask 0
+                     options.on_rewrite=refuse   HTTP 409, nothing appended
+    sample_unit=turn  every call after the first is a new segment (one training sample per call)
 
-Earlier tokens are never re-tokenized, so the trainer sees exactly what the engine sampled
-(docs/algorithm.md §2). Tool calls: `tools` are passed to the chat template; a reply's
+Earlier tokens are never re-tokenized, so the trainer sees exactly what the engine sampled; a segment's
+prompt is new tokens, never trained on (docs/algorithm.md §2). Tool calls: `tools` are passed to the chat template; a reply's
 `<tool_call>{json}</tool_call>` blocks come back as OpenAI `tool_calls` (options.tool_parser).
 Sampling is the rollout's (temperature 1 etc.), whatever the request asks, so behavior log-probs
 stay exact; `max_tokens` is capped by rollout.max_action_tokens. `/v1/completions` works the same
@@ -88,6 +93,7 @@ class AgentSession:
         self.text = ""  # /v1/completions: the episode's text so far
         self.mode: str | None = None
         self.calls = self.rewrites = self.tool_calls = 0
+        self.turn_unit = options.sample_unit == "turn"
         self.busy = self.closed = False
         self.truncated = ""  # why a call was refused for a limit
         self.engine_error = ""
@@ -101,10 +107,13 @@ class AgentSession:
         except Exception as exc:  # jinja's TemplateError, a template's raise_exception(...), a bad message shape
             raise Refused(400, f"the chat template cannot render these messages: {exc}"[:500], "invalid_request") from None
 
-    def _rewritten(self, why: str) -> Refused:
+    def _rewritten(self, why: str) -> None:
+        """Count a call that does not extend the episode; unless it may start a new segment, refuse it."""
         self.rewrites += 1
-        return Refused(409, f"history rewritten: {why}; an episode's calls must extend its earlier messages and replies "
-                       "exactly (a new episode is a new base_url/api_key)", "history_rewritten")
+        if self.options.on_rewrite == "refuse":
+            raise Refused(409, f"history rewritten: {why}; an episode's calls must extend its earlier messages and "
+                          "replies exactly (env.options.on_rewrite=segment continues it as a new segment; a new "
+                          "episode is a new base_url/api_key)", "history_rewritten")
 
     def _enter(self, mode: str) -> None:
         if self.closed:
@@ -117,57 +126,74 @@ class AgentSession:
             self.truncated = "turn limit"
             raise Refused(400, f"turn limit: rollout.max_turns={self.limits.max_turns} calls per episode", "turn_limit")
 
-    def chat_prompt(self, messages: list[dict], tools) -> list[int]:
-        """The tokens of the messages this call adds (the whole prompt on the first call); nothing is
-        appended before the call is accepted."""
+    def chat_prompt(self, messages: list[dict], tools) -> tuple[list[int], bool]:
+        """(the tokens this call adds, whether they start a new segment): the new messages' tokens, or the
+        whole prompt on the first call and on a new segment; nothing is appended before the call is accepted."""
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and _content_ok(m.get("content"))
                 for m in messages):
             raise Refused(400, "messages: a non-empty list of {role, content} objects (content: a string, null "
                           "or a list of {type, text} parts)", "invalid_request")
         n = len(self.messages)
-        if n == 0:
-            return self.codec.encode(self._render(messages, tools, True))
+        whole = self._render(messages, tools, True)
+        if n == 0 or self.turn_unit:
+            return self.codec.encode(whole), n > 0
         if len(messages) <= n or [same_message(m) for m in messages[:n]] != self.messages:
-            raise self._rewritten("the first messages differ from the episode's so far")
+            self._rewritten("the first messages differ from the episode's so far")
+            return self.codec.encode(whole), True
         before = self._render(messages[:n], tools, False)
-        after = self._render(messages, tools, True)
         end = before.rfind(self.codec.eos_text)
         cut = end + len(self.codec.eos_text)
-        if end < 0 or after[:cut] != before[:cut]:
-            raise self._rewritten("the chat template renders the earlier turns differently (tools changed?)")
+        if end < 0 or whole[:cut] != before[:cut]:
+            self._rewritten("the chat template renders the earlier turns differently (a thinking model's template, "
+                            "tools changed?)")
+            return self.codec.encode(whole), True
         close = [] if self.traj.token_ids[-1] == self.codec.eos_id else [self.codec.eos_id]  # a reply cut at
-        return close + self.codec.encode(after[cut:])  # max_tokens: its turn is closed by an unsampled eos
+        return close + self.codec.encode(whole[cut:]), False  # max_tokens: its turn is closed by an unsampled eos
 
-    def text_prompt(self, prompt) -> list[int]:
+    def text_prompt(self, prompt) -> tuple[list[int], bool]:
+        """As `chat_prompt`, for a raw prompt that extends the current segment's text or token ids."""
+        first = not self.traj.token_ids
         if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
             vocab = len(self.codec.tokenizer)
             if not all(0 <= i < vocab for i in prompt):  # checked here: out of range, it would fail the engine's
                 raise Refused(400, f"prompt: token ids must be in [0, {vocab})", "invalid_request")  # shared batch
-            have = self.traj.token_ids
-            if prompt[: len(have)] != have or (have and len(prompt) <= len(have)):
-                raise self._rewritten("the prompt's token ids do not extend the episode's")
-            return prompt[len(have):]
+            if first or self.turn_unit:
+                return list(prompt), not first
+            have = self.build.token_ids
+            if prompt[: len(have)] != have or len(prompt) <= len(have):
+                self._rewritten("the prompt's token ids do not extend the episode's")
+                return list(prompt), True
+            return prompt[len(have):], False
         if isinstance(prompt, str):
-            if not prompt.startswith(self.text) or (self.text and len(prompt) == len(self.text)):
-                raise self._rewritten("the prompt does not extend the episode's text")
-            return self.codec.encode(prompt[len(self.text):])
+            if first or self.turn_unit:
+                return self.codec.encode(prompt), not first
+            if not prompt.startswith(self.text) or len(prompt) == len(self.text):
+                self._rewritten("the prompt does not extend the episode's text")
+                return self.codec.encode(prompt), True
+            return self.codec.encode(prompt[len(self.text):]), False
         raise Refused(400, "prompt: one string or one list of token ids", "invalid_request")
 
-    async def generate(self, new_ids: list[int], max_tokens: int | None):
-        """Append the call's new prompt tokens and sample; a call over the episode's budget appends nothing."""
+    async def generate(self, prompt: tuple[list[int], bool], max_tokens: int | None):
+        """Append the call's new prompt tokens (to the current segment, or as a new one) and sample; a call
+        over the sequence's budget appends nothing."""
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise Refused(400, f"max_tokens: a positive integer, not {str(max_tokens)[:40]!r}", "invalid_request")
-        t = self.traj
+        t, (new_ids, new_segment) = self.traj, prompt
+        have = 0 if new_segment else len(self.build.token_ids)  # rollout.max_episode_tokens bounds each sequence
         budget = min(max_tokens or self.limits.max_action_tokens, self.limits.max_action_tokens,
-                     self.limits.max_episode_tokens - len(t.token_ids) - len(new_ids))
+                     self.limits.max_episode_tokens - have - len(new_ids))
         if budget <= 0:
             self.truncated = "token limit"
             raise Refused(400, f"token limit: rollout.max_episode_tokens={self.limits.max_episode_tokens}", "token_limit")
-        self.build.context(new_ids)
+        if new_segment:
+            self.build.segment(new_ids)
+        else:
+            self.build.context(new_ids)
         started = time.perf_counter()
         try:
-            gen = await self.engine.generate(t.token_ids, replace(self.params, max_new_tokens=budget), session=t.id)
+            gen = await self.engine.generate(self.build.token_ids, replace(self.params, max_new_tokens=budget),
+                                             session=t.id)
         except EngineError as exc:
             self.engine_error = str(exc)[:500]
             raise Refused(500, f"engine error: {exc}"[:500], "engine_error") from None
@@ -182,8 +208,8 @@ class AgentSession:
         self.busy = True
         try:
             messages, tools = body.get("messages") or [], body.get("tools") or None
-            new_ids = self.chat_prompt(messages, tools)
-            gen = await self.generate(new_ids, body.get("max_completion_tokens") or body.get("max_tokens"))
+            prompt = self.chat_prompt(messages, tools)
+            gen = await self.generate(prompt, body.get("max_completion_tokens") or body.get("max_tokens"))
             self.mode, self.messages = "chat", [same_message(m) for m in messages]
             text = self.codec.action_text(gen.token_ids)
             content, calls = (text, []) if self.options.tool_parser == "none" else parse_tool_calls(text, self.tool_calls)
@@ -193,7 +219,7 @@ class AgentSession:
             finish = "tool_calls" if calls else ("stop" if gen.finish_reason == "stop" else "length")
             return _completion(self.traj.id, self.calls, body, "chat.completion",
                                {"index": 0, "message": reply, "finish_reason": finish, "logprobs": None},
-                               len(self.traj.token_ids) - len(gen.token_ids), len(gen.token_ids))
+                               len(self.build.token_ids) - len(gen.token_ids), len(gen.token_ids))
         finally:
             self.busy = False
 
@@ -202,14 +228,15 @@ class AgentSession:
         self.busy = True
         try:
             prompt = body.get("prompt")
-            gen = await self.generate(self.text_prompt(prompt), body.get("max_tokens") or 16)
+            new = self.text_prompt(prompt)
+            gen = await self.generate(new, body.get("max_tokens") or 16)
             text = self.codec.action_text(gen.token_ids)
             self.mode = "completion"
-            self.text = (prompt if isinstance(prompt, str) else self.text) + text
+            self.text = (prompt if isinstance(prompt, str) else "" if new[1] else self.text) + text
             finish = "stop" if gen.finish_reason == "stop" else "length"
             return _completion(self.traj.id, self.calls, body, "text_completion",
                                {"index": 0, "text": text, "finish_reason": finish, "logprobs": None},
-                               len(self.traj.token_ids) - len(gen.token_ids), len(gen.token_ids))
+                               len(self.build.token_ids) - len(gen.token_ids), len(gen.token_ids))
         finally:
             self.busy = False
 

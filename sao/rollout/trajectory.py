@@ -7,12 +7,14 @@ through its one status ladder.
                      agent's new messages                                     action_mask 0
     sampled(gen)     the engine's tokens, with their behavior log-probs and versions; one turn
                                                                               action_mask 1
+    segment(ids)     a new token sequence of the same episode: `ids` is its prompt (an agent's history
+                     as its template re-renders it); the earlier tokens stay as sampled  action_mask 0
     fail(exc, why)   the status ladder: a timeout -> `timeout` (why), an engine failure -> `engine_error`,
                      any other exception -> `env_error` (its message kept); a cancellation -> `aborted`,
                      and it propagates
-    done(limits)     the finished trajectory, checked against the episode limits: one over
-                     rollout.max_episode_tokens or with a turn over rollout.max_action_tokens is never
-                     trainable (`env_error`, whatever produced it)
+    done(limits)     the finished trajectory, checked against the episode limits: one with a sequence
+                     (segment) over rollout.max_episode_tokens or a turn over rollout.max_action_tokens is
+                     never trainable (`env_error`, whatever produced it)
 
 Untrusted values are checked here, at the boundary every environment and agent crosses:
 a reward must be a finite number (`reward(x)`; NaN, inf, "nan", a bool or a non-number end the episode
@@ -61,7 +63,15 @@ class TrajectoryBuilder:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.traj.token_ids
+        """The current sequence's tokens (the whole trajectory unless it was segmented)."""
+        t = self.traj
+        return t.token_ids[t.segment_starts[-1]:] if t.segment_starts else t.token_ids
+
+    def segment(self, ids: list[int]) -> None:
+        t = self.traj
+        if t.token_ids:
+            t.segment_starts.append(len(t.token_ids))
+        self.context(ids)
 
     def context(self, ids: list[int]) -> None:
         t = self.traj
@@ -109,8 +119,9 @@ class TrajectoryBuilder:
             for m in t.action_mask:
                 turn = turn + 1 if m else 0
                 longest = max(longest, turn)
-            if len(t.token_ids) > limits.max_episode_tokens:
-                self.end(Status.ENV_ERROR, f"{len(t.token_ids)} tokens, over rollout.max_episode_tokens="
+            longest_seq = max(b - a for a, b in t.segments())
+            if longest_seq > limits.max_episode_tokens:
+                self.end(Status.ENV_ERROR, f"{longest_seq} tokens, over rollout.max_episode_tokens="
                                            f"{limits.max_episode_tokens}")
             elif longest > limits.max_action_tokens:
                 self.end(Status.ENV_ERROR, f"a turn of {longest} sampled tokens, over rollout.max_action_tokens="

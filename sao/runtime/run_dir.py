@@ -29,7 +29,7 @@ from pathlib import Path
 
 from sao.config import Config, ConfigError, to_yaml
 from sao.errors import WriteError
-from sao.types import Trajectory
+from sao.types import Trajectory, segment_rows
 
 
 def write_failure(what: Path | str, exc: BaseException) -> WriteError:
@@ -142,13 +142,15 @@ class RunDir:
         trajectories (id, status, lag, each token's text). Written whole, then renamed into place."""
         folder = self.path / "traces"
         path = folder / f"step_{step:06d}.jsonl"
-        lines = []
+        lines, rows = [], segment_rows(batch)  # a row is a trajectory or one segment of it (collate's rows)
         for rec in records:
-            t = batch[rec["row"]]
+            i, a, b = rows[rec["row"]]
+            t = batch[i]
+            ids = t.token_ids[a:b]
             head = {"step": step, "algo": algo, "trajectory_id": t.id, "task_id": t.task_id, "status": t.status.value,
                     "status_reason": t.status_reason, "turns": t.turns, "lag": t.lag(version),
-                    "token_ids": list(t.token_ids), "text": [decode([i]) for i in t.token_ids],
-                    "action_mask": list(t.action_mask)}
+                    "token_ids": list(ids), "text": [decode([k]) for k in ids], "action_mask": list(t.action_mask[a:b]),
+                    **({"segment": [s for s, _ in t.segments()].index(a)} if t.segment_starts else {})}
             lines.append(json.dumps({**head, **rec}) + "\n")
         tmp = path.with_suffix(".partial")
         try:
@@ -214,15 +216,18 @@ def render_trajectory(t: Trajectory, decode) -> str:
             f"{' (' + t.status_reason + ')' if t.status_reason else ''}  turns={t.turns}")
     parts = [head]
     i, n = 0, len(t.token_ids)
+    starts = set(t.segment_starts)
     while i < n:
+        if i in starts:
+            parts.append(f"--- segment {sorted(starts).index(i) + 2} (a new prompt: the history as re-rendered)")
         j = i
-        while j < n and t.action_mask[j] == t.action_mask[i]:
+        while j < n and t.action_mask[j] == t.action_mask[i] and (j == i or j not in starts):
             j += 1
         text = decode(t.token_ids[i:j])
         if t.action_mask[i]:
             versions = sorted(set(t.token_versions[i:j]))
             parts.append(f"[ACTION v{','.join(map(str, versions))}] {text}")
         else:
-            parts.append(f"[{'PROMPT' if i == 0 else 'OBSERVATION'}] {text}")
+            parts.append(f"[{'PROMPT' if i == 0 or i in starts else 'OBSERVATION'}] {text}")
         i = j
     return "\n".join(parts)

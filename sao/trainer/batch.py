@@ -1,5 +1,10 @@
 """Collate finished trajectories into right-padded tensors aligned with token positions.
 
+A row is one token sequence: a trajectory, or one segment of a segmented one (Trajectory.segment_starts,
+an agent whose template re-renders its history or one sample per call). Then `episodes` says which rows
+are one episode, in order: the outcome reward sits on the last action token of its last row, every row
+carries the episode's scalar reward, and GAE runs across its rows as one chain (sao/algo/gae.py).
+
 Every loss and advantage function works on this (B, T) layout. The model passes themselves run
 on packed rows when `packing` is set (the learner sets it, sao/trainer/packing.py), so their cost
 follows real tokens.
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from sao.trainer.packing import Packing
-from sao.types import Trajectory
+from sao.types import Trajectory, segment_rows
 
 
 @dataclass
@@ -30,6 +35,19 @@ class Batch:
     packing: Packing | None = None  # None: model passes run on the padded (B, T) batch
     versions: torch.Tensor | None = None  # (B, T) long: the policy version that sampled each token, -1 elsewhere
     trace_rows: int = 0  # the trainer records per-token values for rows 0..trace_rows-1 (sao/trainer/trace.py)
+    episodes: torch.Tensor | None = None  # (B,) long: each row's episode, rows of one in order; None: a row each
+
+    @property
+    def heads(self) -> torch.Tensor:
+        """(B,) bool: the first row of each episode (every row when no episode has segments)."""
+        if self.episodes is None:
+            return torch.ones(self.size, dtype=torch.bool)
+        e = self.episodes.cpu()
+        return torch.cat([torch.ones(1, dtype=torch.bool), e[1:] != e[:-1]]) if self.size else e.bool()
+
+    def unit_keys(self) -> list[str] | None:
+        """What must stay together when rows are split (over ranks): the rows of one episode; None: any row."""
+        return None if self.episodes is None else [str(int(e)) for e in self.episodes]
 
     @property
     def size(self) -> int:
@@ -48,39 +66,44 @@ class Batch:
             self.rewards[idx], self.scalar_rewards[idx], self.num_action_tokens[idx],
             [self.prompt_keys[i] for i in pick], [self.group_ids[i] for i in pick],
             versions=None if self.versions is None else self.versions[idx], trace_rows=self.trace_rows,
+            episodes=None if self.episodes is None else self.episodes[idx.to(self.episodes.device)],
         )
 
 
 def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
-    B = len(trajectories)
-    T = max(len(t.token_ids) for t in trajectories)
+    rows = segment_rows(trajectories)
+    B = len(rows)
+    T = max(b - a for _, a, b in rows)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((B, T), dtype=torch.long)
     action_mask = torch.zeros((B, T))
     behavior = torch.zeros((B, T))
     rewards = torch.zeros((B, T))
     versions = torch.full((B, T), -1, dtype=torch.long)
-    for i, t in enumerate(trajectories):
-        n = len(t.token_ids)
-        input_ids[i, :n] = torch.tensor(t.token_ids)
-        attention_mask[i, :n] = 1
-        action_mask[i, :n] = torch.tensor(t.action_mask, dtype=torch.float32)
-        behavior[i, :n] = torch.tensor(t.behavior_logprobs)
-        if len(t.token_versions) == n:
-            versions[i, :n] = torch.tensor(t.token_versions, dtype=torch.long)
-        last = max(p for p, m in enumerate(t.action_mask) if m)  # reward on the last action token
-        rewards[i, last] = t.reward
+    last_row = {i: r for r, (i, _, _) in enumerate(rows)}
+    for r, (i, a, b) in enumerate(rows):
+        t, n = trajectories[i], b - a
+        input_ids[r, :n] = torch.tensor(t.token_ids[a:b])
+        attention_mask[r, :n] = 1
+        action_mask[r, :n] = torch.tensor(t.action_mask[a:b], dtype=torch.float32)
+        behavior[r, :n] = torch.tensor(t.behavior_logprobs[a:b])
+        if len(t.token_versions) == len(t.token_ids):
+            versions[r, :n] = torch.tensor(t.token_versions[a:b], dtype=torch.long)
+        if last_row[i] == r:  # the outcome reward on the episode's last action token
+            rewards[r, max(p for p, m in enumerate(t.action_mask[a:b]) if m)] = t.reward
+    segmented = any(t.segment_starts for t in trajectories)
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         action_mask=action_mask,
         behavior_logprobs=behavior,
         rewards=rewards,
-        scalar_rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        scalar_rewards=torch.tensor([trajectories[i].reward for i, _, _ in rows], dtype=torch.float32),
         num_action_tokens=action_mask.sum(1),
-        prompt_keys=[prompt_key(t) for t in trajectories],
-        group_ids=[t.task_id for t in trajectories],
+        prompt_keys=[prompt_key(trajectories[i]) for i, _, _ in rows],
+        group_ids=[trajectories[i].task_id for i, _, _ in rows],
         versions=versions,
+        episodes=torch.tensor([i for i, _, _ in rows], dtype=torch.long) if segmented else None,
     )
 
 

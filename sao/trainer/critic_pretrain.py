@@ -17,7 +17,8 @@ from sao.trainer.packing import critic_forward
 
 def monte_carlo_returns(batch: Batch, gamma: float = 1.0) -> torch.Tensor:
     """lambda = 1 returns (the values cancel out), (B, T)."""
-    _, returns = skip_observation_gae(batch.rewards, torch.zeros_like(batch.rewards), batch.action_mask, gamma, 1.0)
+    _, returns = skip_observation_gae(batch.rewards, torch.zeros_like(batch.rewards), batch.action_mask, gamma, 1.0,
+                                      batch.episodes)
     return returns
 
 

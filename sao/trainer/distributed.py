@@ -43,7 +43,7 @@ from sao.device import to_device
 from sao.models.critic import freeze_parameters
 from sao.models.lora import engine_parameters
 from sao.trainer.batch import Batch
-from sao.trainer.learner import Learner
+from sao.trainer.learner import Learner, per_row
 from sao.trainer.reduce import DistReducer
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -79,7 +79,7 @@ def shard_rows(token_counts: list[int], group_ids: list[str] | None, world: int)
             by_group.setdefault(g, []).append(i)
         units = list(by_group.values())
     if len(units) < world:
-        raise ValueError(f"a batch of {len(units)} {'groups' if group_ids else 'trajectories'} cannot "
+        raise ValueError(f"a batch of {len(units)} {'groups or episodes' if group_ids else 'trajectories'} cannot "
                          f"be split over {world} trainer ranks")
     total, acc, r = sum(token_counts), 0, 0
     out: list[list[int]] = [[] for _ in range(world)]
@@ -177,11 +177,13 @@ class DistributedLearner(Learner):
     def step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on the whole `batch` (the same on every rank); this rank trains its rows."""
         tokens = batch.attention_mask.sum(1).tolist()
-        self._rows = shard_rows(tokens, batch.group_ids if self.algo.grouped else None, self.world)[self.rank]
+        units = batch.group_ids if self.algo.grouped else batch.unit_keys()  # a group, an episode's rows: one rank
+        self._rows = shard_rows(tokens, units, self.world)[self.rank]
         self._global_size = batch.size
         if self.running_mean is not None:  # a stateful baseline: every rank replays the whole batch in order
-            self._running_adv = torch.tensor(
-                self.running_mean.advantages(batch.scalar_rewards.tolist(), batch.prompt_keys))[self._rows]
+            heads = batch.heads.nonzero().flatten().tolist()
+            self._running_adv = per_row(torch.tensor(self.running_mean.advantages(
+                batch.scalar_rewards[heads].tolist(), [batch.prompt_keys[i] for i in heads])), batch)[self._rows]
         self._local = batch.rows(torch.tensor(self._rows))
         metrics = super().step(self._local)
         timed = sorted(k for k in metrics if k.startswith("perf/") and k.endswith("_s"))

@@ -33,7 +33,8 @@ import torch
 
 from sao.algo.baselines import RunningMeanBaseline, group_advantages
 from sao.algo.core import LOCAL, explained_variance, masked_mean, masked_var, masked_whiten, stale_tokens, token_mean_loss
-from sao.algo.gae import length_adaptive_lambda, skip_observation_gae, step_level_gae, step_level_values
+from sao.algo.gae import (episode_totals, length_adaptive_lambda, skip_observation_gae, step_level_gae,
+                          step_level_values)
 from sao.algo.losses import dis_policy_loss, ppo_clip_loss, value_loss
 from sao.algo.registry import Advantage, Algorithm, PolicyLoss
 from sao.config import AlgoConfig, CriticConfig, TrainConfig
@@ -54,6 +55,13 @@ def _lap(metrics: dict, key: str, since: float) -> float:
     now = time.perf_counter()
     metrics[key] = metrics.get(key, 0.0) + now - since
     return now
+
+
+def per_row(per_episode: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """(E,) values, one per episode in batch order, as (B,): every row of an episode gets its value."""
+    if batch.episodes is None:
+        return per_episode
+    return per_episode.to(batch.episodes.device)[batch.heads.long().cumsum(0).to(batch.episodes.device) - 1]
 
 
 def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -131,7 +139,7 @@ class Learner:
         v = self._values(batch)
         v0 = v.detach()
         t = _lap(metrics, "perf/critic_forward_s", t)
-        _, returns = skip_observation_gae(batch.rewards, v0, mask, cfg.gamma, 1.0)
+        _, returns = skip_observation_gae(batch.rewards, v0, mask, cfg.gamma, 1.0, batch.episodes)
         if self.trace is not None:
             self.trace.put("v_before", v0)
             self.trace.put("return", returns)
@@ -151,10 +159,11 @@ class Learner:
             v2 = self._values(batch)
         t = _lap(metrics, "perf/critic_v2_s", t)
         if self.algo.step_level:  # one advantage per turn, lambda from the number of turns (App. A.1)
-            advantages, lam = step_level_gae(batch.rewards, v2, mask, cfg.gamma, cfg.lam_alpha, cfg.step_value)
-        else:
-            lam = length_adaptive_lambda(batch.num_action_tokens, cfg.lam_alpha)
-            advantages, _ = skip_observation_gae(batch.rewards, v2, mask, cfg.gamma, lam)
+            advantages, lam = step_level_gae(batch.rewards, v2, mask, cfg.gamma, cfg.lam_alpha, cfg.step_value,
+                                             batch.episodes)
+        else:  # l = the episode's action tokens (all its segments')
+            lam = length_adaptive_lambda(episode_totals(batch.num_action_tokens, batch.episodes), cfg.lam_alpha)
+            advantages, _ = skip_observation_gae(batch.rewards, v2, mask, cfg.gamma, lam, batch.episodes)
         _lap(metrics, "perf/gae_s", t)
         if self.trace is not None:
             self.trace.put("v_after", v2)
@@ -196,19 +205,22 @@ class Learner:
         return advantages.to(self.device)
 
     def _baseline_advantages(self, batch: Batch) -> torch.Tensor:
+        """One advantage per episode (over episodes, not segments), on every action token of it."""
+        heads = batch.heads.nonzero().flatten().tolist()
         if self.algo.grouped:
-            sizes = {g: batch.group_ids.count(g) for g in batch.group_ids}
+            groups = [batch.group_ids[i] for i in heads]
+            sizes = {g: groups.count(g) for g in groups}
             if set(sizes.values()) != {self.algo_cfg.group_size}:  # the runtime trains whole groups only
                 raise RuntimeError(f"{self.algo.name}: batch holds groups of sizes {sorted(set(sizes.values()))}, "
                                    f"expected algo.group_size={self.algo_cfg.group_size}")
-            adv = group_advantages(batch.scalar_rewards, batch.group_ids)
+            adv = per_row(group_advantages(batch.scalar_rewards[heads], groups), batch)
             if self.trace is not None:
                 self.trace.put_rows("group", [batch.group_ids[i] for i in self.trace.local])
                 self.trace.put("group_adv", adv)
         else:  # keyed by the prompt's content: a per-draw id would never fill its window
-            adv = torch.tensor(self.running_mean.advantages(batch.scalar_rewards.tolist(), batch.prompt_keys),
-                               device=batch.action_mask.device)
-        return adv[:, None] * batch.action_mask  # every action token of a trajectory
+            adv = per_row(torch.tensor(self.running_mean.advantages(batch.scalar_rewards[heads].tolist(),
+                                                                    [batch.prompt_keys[i] for i in heads])), batch)
+        return adv.to(batch.action_mask.device)[:, None] * batch.action_mask  # every action token of an episode
 
     def _apply(self, opt: torch.optim.Optimizer, loss: torch.Tensor, clip: float) -> float | None:
         """backward, clip, step; returns the gradient norm, or None when the update was skipped because
@@ -283,7 +295,8 @@ class Learner:
         mask = batch.action_mask
         self.skipped_in_step = 0
         self.trace = self._start_trace(batch)
-        metrics: dict[str, float] = {"reward/mean": float(self.reduce.mean(batch.scalar_rewards))}
+        heads = batch.heads.to(batch.scalar_rewards.device)  # one reward per episode, not per segment
+        metrics: dict[str, float] = {"reward/mean": float(self.reduce.mean(batch.scalar_rewards[heads]))}
         if self.algo.uses_critic:
             advantages = self._critic_advantages(batch, metrics)
         else:
