@@ -1,6 +1,6 @@
 """Overhead of the two integrations, apart from the model: the agent endpoint per call, and OpenEnv per step.
 
-    PYTHONPATH=.:examples/openenv_letters python benchmarks/integrations.py [--episodes 20] [--out FILE]
+    PYTHONPATH=.:examples/openenv_letters:examples/verifiers_envs python benchmarks/integrations.py [--episodes 20]
 
 1. env.name=agent: a sync `openai` client agent makes `calls` chat calls per episode (a growing history,
    one new user message per call) against the rollout worker's endpoint. The engine is an instant one
@@ -8,7 +8,12 @@
    openai client, HTTP on 127.0.0.1, the server, matching the messages and rendering the new ones.
    `server` is the part spent inside the endpoint (the trajectory's agent/overhead_ms_per_call); the
    same calls as plain httpx POSTs show the openai client's own share.
-2. env.name=openenv on examples/openenv_letters: one step's wall time as the agent loop sees it
+   The same with env.options.sample_unit=turn (every call a new segment: the whole history rendered and
+   tokenized each call).
+2. env.name=verifiers on examples/verifiers_envs/sao_vf_guess (three calls per episode through verifiers'
+   own loop, interception server and sao's harness): an episode's wall time, beside the same three calls
+   made by a plain agent function.
+3. env.name=openenv on examples/openenv_letters: one step's wall time as the agent loop sees it
    (text -> Action -> step -> Observation -> text), in process and over the server's WebSocket
    session, beside the bare `env.step` of the same Environment.
 
@@ -32,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "examples" / "openenv_letters")]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples" / "openenv_letters"), str(ROOT / "examples" / "verifiers_envs")]
 
 import openai  # noqa: E402
 
@@ -99,11 +104,16 @@ def summary(seconds: list[float]) -> dict:
     return {"n": len(ms), "mean_ms": statistics.mean(ms), "p50_ms": pct(ms, 0.5), "p95_ms": pct(ms, 0.95)}
 
 
-def bench_agent(codec, episodes: int, tmp: Path, agent: str) -> dict:
+def three_calls(task, base_url, api_key):
+    return chatty_agent(task, base_url, api_key, calls=3)
+
+
+def bench_agent(codec, episodes: int, tmp: Path, agent: str, **options) -> dict:
     tasks = tmp / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"prompt": f"task {i}", "answer": "0"}) + "\n" for i in range(50)))
     sys.modules["bench_integrations"] = sys.modules[__name__]
-    environment = make_environment("agent", {"path": str(tasks), "agent": f"bench_integrations:{agent}"}, seed=0)
+    environment = make_environment("agent", {"path": str(tasks), "agent": f"bench_integrations:{agent}", **options},
+                                   seed=0)
     limits = EpisodeLimits(max_turns=64, max_action_tokens=16, max_episode_tokens=100_000)
     stream = environment.train_tasks()
 
@@ -121,6 +131,35 @@ def bench_agent(codec, episodes: int, tmp: Path, agent: str) -> dict:
     return {"client_wall": summary(warm),
             "server_ms_mean": statistics.mean(t.metrics["agent/overhead_ms_per_call"] for t in trajs[1:]),
             "calls_per_episode": 8, "episodes": episodes}
+
+
+def bench_episodes(codec, environment, episodes: int) -> list[float]:
+    """Wall time of each episode after the first (which starts the endpoint), one at a time."""
+    limits = EpisodeLimits(max_turns=64, max_action_tokens=16, max_episode_tokens=100_000)
+    stream = environment.train_tasks()
+
+    async def go():
+        times = []
+        for _ in range(episodes + 1):
+            t = time.perf_counter()
+            traj = await run_episode(environment.new_episode(EpisodeContext()), next(stream), InstantEngine(codec), codec,
+                                     SamplingParams(), limits)
+            times.append(time.perf_counter() - t)
+            assert traj.status.value == "ok" and traj.metrics["agent/calls"] == 3, traj.status_reason
+        return times[1:]
+
+    return asyncio.run(go())
+
+
+def bench_verifiers(codec, episodes: int, tmp: Path) -> dict:
+    os.environ["HOME"] = str(tmp)  # verifiers keeps a cache under $HOME
+    verifiers = make_environment("verifiers", {"environment": "sao_vf_guess"}, seed=0)
+    tasks = tmp / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"prompt": f"task {i}", "answer": "0"}) + "\n" for i in range(50)))
+    sys.modules["bench_integrations"] = sys.modules[__name__]
+    plain = make_environment("agent", {"path": str(tasks), "agent": "bench_integrations:three_calls"}, seed=0)
+    return {"verifiers_episode": summary(bench_episodes(codec, verifiers, episodes)),
+            "plain_agent_episode": summary(bench_episodes(codec, plain, episodes)), "calls_per_episode": 3}
 
 
 def free_port() -> int:
@@ -196,10 +235,14 @@ def main() -> None:
         codec = ChatCodec(load_tokenizer(model_dir))
         agent = bench_agent(codec, args.episodes, Path(tmp), "chatty_agent")
         raw = bench_agent(codec, args.episodes, Path(tmp), "raw_agent")
+        turn = bench_agent(codec, args.episodes, Path(tmp), "chatty_agent", sample_unit="turn")
+        verifiers = bench_verifiers(codec, args.episodes, Path(tmp))
     openenv = bench_openenv(codec, args.episodes)
-    out = {"agent_endpoint_per_call": agent, "agent_endpoint_per_call_raw_httpx": raw, "openenv_per_step": openenv,
+    out = {"agent_endpoint_per_call": agent, "agent_endpoint_per_call_raw_httpx": raw,
+           "agent_endpoint_per_call_sample_unit_turn": turn, "verifiers_per_episode": verifiers,
+           "openenv_per_step": openenv,
            "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "openai": openai.__version__},
-           "command": "PYTHONPATH=.:examples/openenv_letters python benchmarks/integrations.py"}
+           "command": "PYTHONPATH=.:examples/openenv_letters:examples/verifiers_envs python benchmarks/integrations.py"}
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"{'what':42s} {'n':>5s} {'mean ms':>8s} {'p50 ms':>8s} {'p95 ms':>8s}")
     a = agent["client_wall"]
@@ -207,6 +250,13 @@ def main() -> None:
     r = raw["client_wall"]
     print(f"{'agent call, plain httpx POST':42s} {r['n']:5d} {r['mean_ms']:8.2f} {r['p50_ms']:8.2f} {r['p95_ms']:8.2f}")
     print(f"{'agent call, inside the endpoint':42s} {'':5s} {agent['server_ms_mean']:8.2f}")
+    t = turn["client_wall"]
+    print(f"{'agent call, sample_unit=turn':42s} {t['n']:5d} {t['mean_ms']:8.2f} {t['p50_ms']:8.2f} {t['p95_ms']:8.2f}")
+    print(f"{'agent call, sample_unit=turn, in endpoint':42s} {'':5s} {turn['server_ms_mean']:8.2f}")
+    for name in ("verifiers_episode", "plain_agent_episode"):
+        v = verifiers[name]
+        label = name.replace("_", " ") + " (3 calls)"
+        print(f"{label:42s} {v['n']:5d} {v['mean_ms']:8.2f} {v['p50_ms']:8.2f} {v['p95_ms']:8.2f}")
     for name, s in openenv.items():
         print(f"{'openenv step, ' + name:42s} {s['n']:5d} {s['mean_ms']:8.3f} {s['p50_ms']:8.3f} {s['p95_ms']:8.3f}")
     print(f"wrote {args.out}")

@@ -17,8 +17,13 @@ openai = pytest.importorskip("openai", reason="the agent extra is not installed 
 pytest.importorskip("uvicorn")
 import httpx  # noqa: E402,F401  loaded here: agents in two threads importing it at once can see it half-initialized
 
-from sao.algo.gae import (episode_totals, length_adaptive_lambda, skip_observation_gae,  # noqa: E402
-                          skip_observation_gae_reference, step_level_gae)
+from sao.algo.gae import (  # noqa: E402
+    episode_totals,
+    length_adaptive_lambda,
+    skip_observation_gae,
+    skip_observation_gae_reference,
+    step_level_gae,
+)
 from sao.engine.torch_engine import TorchEngine  # noqa: E402
 from sao.envs import make_environment  # noqa: E402
 from sao.envs.base import EpisodeContext  # noqa: E402

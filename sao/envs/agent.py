@@ -34,22 +34,16 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from sao.envs.base import EpisodeContext, import_path, register_environment
+from sao.envs.base import EnvOptions, EpisodeContext, import_path, register_environment
 from sao.envs.dataset import DatasetOptions, load_task_split
 from sao.types import Task
 
 
-class AgentOptions(DatasetOptions):
-    agent: str | None = Field(None, description="`module:func` called once per episode as func(task, base_url, api_key)")
-    command: str | None = Field(None, description=(
-        "a command run once per episode with OPENAI_BASE_URL, OPENAI_API_KEY and SAO_TASK set (shell-style quoting)"))
-    reward: str | None = Field(None, description=(
-        "`module:func` (task dict, agent result) -> float, run after the episode; default: the result itself"))
+class EndpointOptions(EnvOptions):
+    """The per-episode OpenAI-compatible endpoint's options: every environment whose episodes are driven by
+    an agent through it (env.name=agent, verifiers) has them."""
+
     timeout_s: float = Field(300.0, gt=0, description="an episode whose agent runs longer ends with status timeout")
-    start_timeout_s: float = Field(600.0, gt=0, description=(
-        "command agents, before the run: how long the first run of the command (against a stub endpoint) may "
-        "prepare (clone a repository, start a container) before its first model call; sao stops it after that "
-        "and refuses the run"))
     tool_parser: Literal["hermes", "none"] = Field("hermes", description=(
         "how tool calls are read from sampled text: hermes = <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> "
         "blocks (Qwen, Hermes, SmolLM2 templates); none: never"))
@@ -70,6 +64,18 @@ class AgentOptions(DatasetOptions):
         "connections one episode's agent may hold; a request on one more is answered 429 and the connection closed"))
     first_request_s: float = Field(10.0, gt=0, description=(
         "a connection that sends no request within this many seconds is closed"))
+
+
+class AgentOptions(DatasetOptions, EndpointOptions):
+    agent: str | None = Field(None, description="`module:func` called once per episode as func(task, base_url, api_key)")
+    command: str | None = Field(None, description=(
+        "a command run once per episode with OPENAI_BASE_URL, OPENAI_API_KEY and SAO_TASK set (shell-style quoting)"))
+    reward: str | None = Field(None, description=(
+        "`module:func` (task dict, agent result) -> float, run after the episode; default: the result itself"))
+    start_timeout_s: float = Field(600.0, gt=0, description=(
+        "command agents, before the run: how long the first run of the command (against a stub endpoint) may "
+        "prepare (clone a repository, start a container) before its first model call; sao stops it after that "
+        "and refuses the run"))
 
     @model_validator(mode="after")
     def _one_agent(self) -> AgentOptions:
@@ -110,8 +116,9 @@ class _StubEndpoint:
 
 
 class AgentEpisode:
-    """What one agent episode needs; `sao.rollout.agent_loop.run_episode` drives it by its type, through
-    the endpoint (sao/rollout/agent_episode.py; it has no reset/step: the agent owns the loop)."""
+    """What one agent episode needs (options: an EndpointOptions; agent: a function, or None for
+    options.command); `sao.rollout.agent_loop.run_episode` drives it by its type, through the endpoint
+    (sao/rollout/agent_episode.py; it has no reset/step: the agent owns the loop)."""
 
     def __init__(self, options: AgentOptions, agent, reward_fn, ctx: EpisodeContext) -> None:
         self.options, self.agent, self.reward_fn, self.ctx = options, agent, reward_fn, ctx

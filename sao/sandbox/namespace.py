@@ -75,13 +75,15 @@ class NamespaceSandbox:
 
 
     async def evaluate_async(self, code: str, exprs: list[str], limits: Limits = DEFAULT_LIMITS, *,
-                             setup: str = "") -> tuple[Verdict, list[tuple[str, str]]]:
+                             setup: str = "", links: tuple[tuple[str, str], ...] = ()
+                             ) -> tuple[Verdict, list[tuple[str, str]]]:
         """The Verdict of a run that evaluates `exprs` after `code`, and each one's (kind, text): ("value",
-        repr) or ("fail", message). For trusted code only (a task's reference solution, sao/sandbox/derive.py):
-        nothing here is judged."""
+        repr) or ("fail", message). Nothing here is judged: for a task's reference solution
+        (sao/sandbox/derive.py) and for programs whose output the caller reads as data (sao/sandbox/shell.py).
+        `links`: (path, target) symlinks added to the file tree, e.g. ("/app", "/sandbox/app")."""
         mechanism = await asyncio.to_thread(choose, self.requested)
         checks = [judge.Check(expr, hosteval.Program((), (), None), (expr,)) for expr in exprs]
-        run = _Run(code, checks, limits, setup, mechanism, self.guard)
+        run = _Run(code, checks, limits, setup, mechanism, self.guard, links=links)
         verdict = await run.execute()
         steps = parse_records(getattr(run, "records", ""))[0]
         return verdict, [steps.get(f"test{i + 1}.1", ("missing", "was not run")) for i in range(len(exprs))]
@@ -208,13 +210,14 @@ class _Run:
     """One sandboxed execution: job, command line, capped pipes, the watch; then the Verdict."""
 
     def __init__(self, code: str, tests, limits: Limits, setup: str, mechanism: str, guard: bool,
-                 entry: str | None = None):
+                 entry: str | None = None, links: tuple[tuple[str, str], ...] = ()):
         tests = [tests] if isinstance(tests, (str, judge.Check)) else list(tests)
         self.checks = [t if isinstance(t, judge.Check) else judge.plan(t, entry) for t in tests]
         self.limits, self.mechanism, self.guard = limits, mechanism, guard
         self.uid = UID_BASE + secrets.randbelow(UID_SPAN)
         self.dir = tempfile.mkdtemp(prefix="sao-sandbox-")  # stays empty: only a mount point, inside
-        ro, links, exe = _host_paths()
+        ro, host_links, exe = _host_paths()
+        links = host_links + tuple(links)
         disk_mb = 4 * limits.max_file_mb
         steps = [["setup", "exec", setup], ["solution", "exec", code]]
         for i, c in enumerate(self.checks):  # a host-judged test sends only its calls: expected values stay here

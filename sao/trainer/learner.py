@@ -33,8 +33,7 @@ import torch
 
 from sao.algo.baselines import RunningMeanBaseline, group_advantages
 from sao.algo.core import LOCAL, explained_variance, masked_mean, masked_var, masked_whiten, stale_tokens, token_mean_loss
-from sao.algo.gae import (episode_totals, length_adaptive_lambda, skip_observation_gae, step_level_gae,
-                          step_level_values)
+from sao.algo.gae import episode_totals, length_adaptive_lambda, skip_observation_gae, step_level_gae, step_level_values
 from sao.algo.losses import dis_policy_loss, ppo_clip_loss, value_loss
 from sao.algo.registry import Advantage, Algorithm, PolicyLoss
 from sao.config import AlgoConfig, CriticConfig, TrainConfig
