@@ -7,6 +7,7 @@ a run refuses to start, or to go on, when they differ by more than runtime.parit
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 from sao.config import Config
@@ -28,8 +29,11 @@ def parity_check(trainer, engine, codec, environment, limits, tol: float, n: int
     as well as numerics.
     """
     tasks = itertools.cycle(environment.eval_tasks(n))  # a small held-out set may hold fewer than n
-    trajs = [t for t in generate_batch(engine, environment, codec, tasks, limits, n, SamplingParams())
-             if t.num_action_tokens]
+    every = generate_batch(engine, environment, codec, tasks, limits, n, SamplingParams())
+    trajs = [t for t in every if t.num_action_tokens]
+    if not trajs:  # e.g. a prompt longer than rollout.max_episode_tokens: nothing to compare, nothing to train
+        why = collections.Counter(f"{t.status.value}: {t.status_reason}"[:120] for t in every).most_common(1)
+        raise ParityError(f"parity gate: none of {len(every)} episodes sampled a token ({why[0][0] if why else 'none ran'})")
     batch = collate(trajs, codec.tokenizer.pad_token_id)
     logprobs = trainer.logprobs(batch).to(batch.behavior_logprobs.device)
     diff = float(((logprobs - batch.behavior_logprobs).abs() * batch.action_mask).max())

@@ -3,8 +3,9 @@
 Each `run_shell` is one sandboxed run (sao/sandbox/namespace.py: namespaces, seccomp, rlimits, the host's
 watch; the audit-hook guard is off, since a shell must start processes): the workspace (a tar.gz the host
 keeps as bytes and never unpacks) is unpacked into /app, the given files are placed, `bash -c script` runs
-in /app, then /app is packed again and the files named in `collect` are read. /app, /tests and /logs are
-symlinks into the run's tmpfs, so a task's scripts find the absolute paths they were written for. What comes
+in /app (a command's own files may sit at /agent), then /app is packed again and the files named in
+`collect` are read. /app, /tests, /logs and /agent are symlinks into the run's tmpfs, so a task's scripts
+find the absolute paths they were written for. What comes
 back is data only (base64 text the host decodes); an archive over `max_workspace_kb` is an error, not cut.
 """
 
@@ -19,12 +20,12 @@ from dataclasses import dataclass, field
 from sao.sandbox.namespace import NamespaceSandbox
 from sao.sandbox.protocol import Limits
 
-LINKS = (("/app", "/sandbox/app"), ("/tests", "/sandbox/tests"), ("/logs", "/sandbox/logs"))
+LINKS = (("/app", "/sandbox/app"), ("/tests", "/sandbox/tests"), ("/logs", "/sandbox/logs"), ("/agent", "/sandbox/agent"))
 _CHUNK = 60_000  # characters per value record (the harness keeps 65,537 of a repr)
 
 _PROGRAM = textwrap.dedent('''
     import base64 as _b, io as _io, json as _j, os as _os, subprocess as _sp, tarfile as _tf
-    for _d in ("/sandbox/app", "/sandbox/tests", "/sandbox/logs/verifier", "/sandbox/logs/agent"):
+    for _d in ("/sandbox/app", "/sandbox/tests", "/sandbox/logs/verifier", "/sandbox/logs/agent", "/sandbox/agent"):
         _os.makedirs(_d, exist_ok=True)
     _ws = _b.b64decode(__WS__)
     if _ws:
