@@ -38,6 +38,17 @@ def test_gate_passes_when_weights_travel_through_shared_memory(tiny, tiny_model_
     assert diff <= 1e-4
 
 
+def test_gate_says_why_when_no_episode_sampled_a_token(tiny, tiny_model_dir):
+    """Prompts longer than rollout.max_episode_tokens: no episode samples anything; the gate used to die in
+    collate with `max() arg is an empty sequence`."""
+    model, codec = tiny
+    env = make_environment("calc", {}, seed=0)
+    with pytest.raises(ParityError, match=r"none of 16 episodes sampled a token \(env_error: \d+ tokens, over "
+                                          r"rollout.max_episode_tokens=8\)"):
+        parity_check(_trainer(model), _engine(load_model(tiny_model_dir), codec), codec, env,
+                     EpisodeLimits(max_action_tokens=4, max_episode_tokens=8), tol=1e-4)
+
+
 def test_gate_refuses_when_engine_and_trainer_disagree(tiny, tiny_model_dir):
     model, codec = tiny
     engine_model = load_model(tiny_model_dir)
