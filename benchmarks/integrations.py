@@ -13,7 +13,9 @@
 2. env.name=verifiers on examples/verifiers_envs/sao_vf_guess (three calls per episode through verifiers'
    own loop, interception server and sao's harness): an episode's wall time, beside the same three calls
    made by a plain agent function.
-3. env.name=openenv on examples/openenv_letters: one step's wall time as the agent loop sees it
+3. env.name=harbor on examples/harbor_tasks/count-lines: one shell command in the sandbox on the task's
+   workspace (`wc -l < data.txt`), and the task's verifier (bash /tests/test.sh, reward.json read back).
+4. env.name=openenv on examples/openenv_letters: one step's wall time as the agent loop sees it
    (text -> Action -> step -> Observation -> text), in process and over the server's WebSocket
    session, beside the bare `env.step` of the same Environment.
 
@@ -162,6 +164,28 @@ def bench_verifiers(codec, episodes: int, tmp: Path) -> dict:
             "plain_agent_episode": summary(bench_episodes(codec, plain, episodes)), "calls_per_episode": 3}
 
 
+def bench_harbor(episodes: int) -> dict:
+    from sao.sandbox.shell import run_shell
+
+    environment = make_environment("harbor", {"path": str(ROOT / "examples" / "harbor_tasks")}, seed=0)
+    task = environment.tasks["example/count-lines"]
+
+    async def go():
+        command, verifier = [], []
+        for _ in range(episodes + 1):
+            t = time.perf_counter()
+            result = await run_shell("wc -l < data.txt", workspace=task.workspace)
+            command.append(time.perf_counter() - t)
+            assert result.exit_code == 0 and result.output.strip() == "4", result
+            t = time.perf_counter()
+            await environment.verify(task, result.workspace)
+            verifier.append(time.perf_counter() - t)
+        return command[1:], verifier[1:]  # the first run probes the sandbox mechanism
+
+    command, verifier = asyncio.run(go())
+    return {"command": summary(command), "verifier": summary(verifier)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -237,9 +261,11 @@ def main() -> None:
         raw = bench_agent(codec, args.episodes, Path(tmp), "raw_agent")
         turn = bench_agent(codec, args.episodes, Path(tmp), "chatty_agent", sample_unit="turn")
         verifiers = bench_verifiers(codec, args.episodes, Path(tmp))
+    harbor = bench_harbor(args.episodes)
     openenv = bench_openenv(codec, args.episodes)
     out = {"agent_endpoint_per_call": agent, "agent_endpoint_per_call_raw_httpx": raw,
            "agent_endpoint_per_call_sample_unit_turn": turn, "verifiers_per_episode": verifiers,
+           "harbor_sandboxed": harbor,
            "openenv_per_step": openenv,
            "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "openai": openai.__version__},
            "command": "PYTHONPATH=.:examples/openenv_letters:examples/verifiers_envs python benchmarks/integrations.py"}
@@ -257,6 +283,9 @@ def main() -> None:
         v = verifiers[name]
         label = name.replace("_", " ") + " (3 calls)"
         print(f"{label:42s} {v['n']:5d} {v['mean_ms']:8.2f} {v['p50_ms']:8.2f} {v['p95_ms']:8.2f}")
+    for name, h in harbor.items():
+        label = "harbor " + name + ", sandboxed run"
+        print(f"{label:42s} {h['n']:5d} {h['mean_ms']:8.2f} {h['p50_ms']:8.2f} {h['p95_ms']:8.2f}")
     for name, s in openenv.items():
         print(f"{'openenv step, ' + name:42s} {s['n']:5d} {s['mean_ms']:8.3f} {s['p50_ms']:8.3f} {s['p95_ms']:8.3f}")
     print(f"wrote {args.out}")
