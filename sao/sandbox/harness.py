@@ -124,12 +124,12 @@ def _h_confine(job, mode):
         raise SystemExit("sandbox: could not drop capabilities")
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
         raise SystemExit("sandbox: could not set no_new_privs")
-    _h_seccomp(libc, ctypes, not job["cgroup"] and not job["network"])
+    _h_seccomp(libc, ctypes, not job["cgroup"] and not job["network"], not job["network"])
     for name in [m for m in sys.modules if m.split(".")[0] in ("ctypes", "_ctypes")]:
         del sys.modules[name]
 
 
-def _h_seccomp(libc, ctypes, no_unix_sockets):
+def _h_seccomp(libc, ctypes, no_unix_sockets, no_inet):
     """A seccomp filter: no memfd, SysV shared memory, new namespaces, mounts, ptrace or pidfds.
 
     Memory in memfd or SysV segments is not counted by RLIMIT_AS, and a new user namespace could
@@ -138,7 +138,10 @@ def _h_seccomp(libc, ctypes, no_unix_sockets):
     glibc then falls back to clone, whose namespace flags are checked. `no_unix_sockets` (no cgroup
     counts kernel memory for this run): socketpair and AF_UNIX sockets are refused too, since their
     buffers count in neither RLIMIT_AS nor the resident memory the host watches (asyncio's
-    event loop needs a socketpair, so it does not run there).
+    event loop needs a socketpair, so it does not run there). `no_inet` (no network): socket() of any
+    family but AF_UNIX is refused, in the kernel: loopback TCP connections in the run's own network
+    namespace held kernel buffers (~1 GB from three processes at memory_mb=256) that neither a cgroup v1
+    memory limit nor an rlimit counts, and the in-process guard that refused them is within the code's reach.
     """
     import os
 
@@ -161,8 +164,10 @@ def _h_seccomp(libc, ctypes, no_unix_sockets):
         prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, eperm)]  # the x32 ABI
     for nr in denied + ((sockpair,) if no_unix_sockets else ()):
         prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
-    if no_unix_sockets:  # socket(AF_UNIX, ...): EPERM; other families are left to the network namespace
-        prog += [(jeq, 0, 4, sock), (ld, 0, 0, 16), (jeq, 0, 1, 1), (ret, 0, 0, eperm), (ret, 0, 0, allow)]
+    if no_unix_sockets:  # no socket() at all (no_unix_sockets holds only without network)
+        prog += [(jeq, 0, 1, sock), (ret, 0, 0, eperm)]
+    elif no_inet:  # socket(family, ...): AF_UNIX (1) only
+        prog += [(jeq, 0, 4, sock), (ld, 0, 0, 16), (jeq, 0, 1, 1), (ret, 0, 0, allow), (ret, 0, 0, eperm)]
     prog += [(jeq, 0, 1, clone3), (ret, 0, 0, enosys), (jeq, 0, 3, clone), (ld, 0, 0, 16),
              (jset, 0, 1, 0x7E020080), (ret, 0, 0, eperm), (ret, 0, 0, allow)]  # CLONE_NEW* flags
 
