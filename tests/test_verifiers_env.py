@@ -1,5 +1,6 @@
-"""`env.name=verifiers` on the real `verifiers` package (0.3.1 and 0.4.0) and two environments in a third-party layout
-(examples/verifiers_envs): rollouts of the environment's own loop through sao's endpoint, rewards equal to
+"""`env.name=verifiers` on the real `verifiers` package (0.3.1 and 0.4.0) and environments in a third-party
+layout (examples/verifiers_envs, the older module:load_environment API too): rollouts of the environment's own
+loop through sao's endpoint, rewards equal to
 what the package's own scoring gives for the same replies, a short `sao train`, one-line refusals."""
 
 import asyncio
@@ -149,9 +150,12 @@ def test_bad_verifiers_input_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_sao_train_on_a_verifiers_environment(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("environment", ["sao_vf_guess", "sao_vf_legacy:load_environment"])
+def test_sao_train_on_a_verifiers_environment(tiny_model_dir, tmp_path, environment):
+    if ":" in environment:
+        pytest.importorskip("verifiers.legacy", reason="verifiers' older API is in verifiers < 0.4 only")
     env = {**os.environ, "HOME": str(tmp_path), "PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(REPO)])}
-    args = ["env.name=verifiers", "env.options.environment=sao_vf_guess", f"model.path={tiny_model_dir}",
+    args = ["env.name=verifiers", f"env.options.environment={environment}", f"model.path={tiny_model_dir}",
             "train.steps=3", "train.batch_size=4", "critic.warmup_steps=1", "rollout.concurrency=4",
             "rollout.max_turns=3", "rollout.max_action_tokens=8", "eval.num_tasks=4", "eval.every=0",
             "output.trajectories_every=1", "output.root=runs", "output.name=vf"]
@@ -166,3 +170,73 @@ def test_sao_train_on_a_verifiers_environment(tiny_model_dir, tmp_path):
     assert rows and all(r["status"] == "ok" and r["metrics"]["agent/calls"] >= 1 for r in rows)
     gate = [r["parity/max_abs_diff"] for r in metrics if "parity/max_abs_diff" in r]
     assert gate and max(gate) <= 1e-4, gate
+
+
+# -- verifiers' older API: module:load_environment -------------------------------------------------------
+
+
+def legacy_score(environment, task_id: str, replies: list[str]) -> float:
+    """The legacy rubric's own score of the same replies (with the environment's hints between them)."""
+    from openai import AsyncOpenAI
+
+    legacy = pytest.importorskip("verifiers.legacy.utils.message_utils")
+    row, env = dict(environment.tasks[task_id]), environment.env
+    completion = []
+    for k, reply in enumerate(replies):
+        completion.append({"role": "assistant", "content": reply})
+        if k + 1 < len(replies):
+            guess = [int(c) for c in reply if c.isdigit()]
+            hint = "higher" if not guess or guess[-1] < int(row["answer"]) else "lower"
+            completion.append({"role": "user", "content": f"No, go {hint}. One digit."})
+
+    async def go():
+        client = environment.vf.OpenAIChatCompletionsClient(AsyncOpenAI(base_url="http://unused.invalid/v1", api_key="x"))
+        state = await env.init_state(row, client, "unused")
+        state["completion"] = legacy.normalize_messages(completion, field_name="completion")
+        state["trajectory"] = [None] * len(replies)
+        await env.rubric.score_rollout(state)
+        return state["reward"]
+
+    return asyncio.run(go())
+
+
+def test_a_legacy_environment_runs_its_own_loop_and_rubric(tiny):
+    pytest.importorskip("verifiers.legacy", reason="verifiers' older API is in verifiers < 0.4 only")
+    model, codec = tiny
+    environment = make_environment("verifiers", {"environment": "sao_vf_legacy:load_environment"}, seed=0)
+    assert (len(environment.train), len(environment.heldout)) == (32, 8)  # its dataset and its eval_dataset
+    assert environment.heldout[0].prompt.startswith("Round 0: I picked a digit")
+    engine = Recording(TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=8, seed=0))
+    trajs, tasks = rollouts(environment, engine, codec, 4)
+    for traj, task in zip(trajs, tasks):
+        assert traj.status == Status.OK, traj.status_reason
+        said = replies(traj, codec)
+        assert traj.metrics["agent/calls"] == len(said) == traj.metrics["agent/guesses"] >= 1
+        assert traj.reward == pytest.approx(legacy_score(environment, task.id, said))
+
+
+def test_bad_legacy_input_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("verifiers.legacy", reason="verifiers' older API is in verifiers < 0.4 only")
+    from sao import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "legacy_bad.py").write_text(
+        "import verifiers as vf\nfrom datasets import Dataset\n\n"
+        "def no_data(**kw):\n    return vf.SingleTurnEnv(rubric=vf.Rubric(funcs=[]))\n\n"
+        "def eval_only(**kw):\n"
+        "    return vf.SingleTurnEnv(eval_dataset=Dataset.from_list([{'question': 'q', 'answer': 'a'}]))\n\n"
+        "def not_an_env(**kw):\n    return 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for options, expect in [
+        (["env.options.environment=no_such_module:load_environment"],
+         "env.options.environment: cannot import module 'no_such_module'"),
+        (["env.options.environment=legacy_bad:nope"], "env.options.environment: module 'legacy_bad' has no function 'nope'"),
+        (["env.options.environment=legacy_bad:no_data"],
+         "legacy_bad:no_data failed: ValueError: Either dataset or eval_dataset must be provided"),
+        (["env.options.environment=legacy_bad:eval_only"], "legacy_bad:eval_only has no dataset (only an eval_dataset)"),
+        (["env.options.environment=legacy_bad:not_an_env"], "legacy_bad:not_an_env returned int, not a verifiers Environment"),
+    ]:
+        assert cli.main(["train", "env.name=verifiers", *options]) == 2, options
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and expect in lines[0], lines
+    assert not (tmp_path / "runs").exists()
