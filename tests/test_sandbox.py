@@ -117,6 +117,12 @@ def test_the_host_keeps_expected_values_and_judges_data_only():
                     "assert f(1).real == 2", "assert f(1) is 3"):
         assert not judge.plan(snippet).host_judged, snippet
     assert "neither the entry point" in judge.plan("assert g(1) == 2", entry="f").reason
+    # found in review: without an entry point every unknown name was a sandbox call, so the code under test
+    # defined the expected value too (`assert f(1) == expected(1)`); now only the first may come from it
+    for snippet in ("assert f(1) == expected(1)", "assert f(1) == EXPECTED", "x = f(2)\nassert x == g(2)"):
+        check = judge.plan(snippet)
+        assert not check.host_judged and "names the host does not know" in check.reason, (snippet, check)
+    assert judge.plan("assert f(1) == 2 and f(2) == 4\nassert abs(f(3) - 6) < 1e-9").host_judged
     assert _judge("assert f() == 3", "3.0")[0] is True  # as `==` does
     assert _judge("assert f() == [1]", "(1,)")[0] is False
     assert _judge("assert f() == {1, 2}", "{2, 1}")[0] and _judge("assert f() == set()", "set()")[0]

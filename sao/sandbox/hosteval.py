@@ -15,6 +15,9 @@ Two passes over the same program:
   value runs its body once) and lists the calls the sandbox must evaluate. A call whose arguments
   depend on a sandbox value (`f(f(1))`, `g(f(1))`) cannot be planned: the test is not host-judged.
 - `run(program, values)` (after the sandbox run) executes it for real with those values.
+  Without an entry point (generated tasks), the first name the host does not know is the function
+  under test; a second one (`assert f(1) == g(1)`, `assert f(1) == EXPECTED`) would let the code under
+  test define what the test compares against, so such a test is not host-judged.
   A call first reached in `run` (not possible for the forms above: their arguments are the host's
   own values, found in both passes) fails its test as "not evaluated in the sandbox". One known
   gap: seeded `random` drawn inside `and`/`or`/`if` branches is drawn in both branches while
@@ -244,6 +247,7 @@ class _Interpreter:
         self.program, self.values, self.collecting = program, values, values is None
         self.env: dict[str, Any] = {name: SandboxRef(target) for name, target in program.bindings}
         self.calls: dict[str, None] = {}
+        self.unknown: list[str] = []  # names the host does not know (callables None: the first is the function)
         self.nodes, self.asserted = 0, False
         self.used: list[tuple[str, Any]] = []  # sandbox calls of the current assert, for the message
         self.last_got: str | None = None
@@ -346,6 +350,11 @@ class _Interpreter:
         elif node.id in _MODULES:  # `math.isclose` in a test whose solution imported math
             value = self.env[node.id] = self.module(node.id)
         elif self.program.callables is None or node.id in self.program.callables:
+            if self.program.callables is None and node.id not in self.unknown:
+                self.unknown.append(node.id)
+                if len(self.unknown) > 1:  # a second unknown name would let the code define the expected value
+                    raise NotHostJudged(f"the test uses {self.unknown[0]} and {node.id}, names the host does not "
+                                        "know: only the function under test may come from the sandbox")
             value = SandboxRef(node.id)
         else:
             raise NotHostJudged(f"the test uses {node.id}, which is neither the entry point nor known to the host")
