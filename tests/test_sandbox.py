@@ -106,6 +106,41 @@ def _judge(test, got, entry=None):
     return judge.judge(check, {c: got if isinstance(got, tuple) else ("value", got) for c in check.calls})
 
 
+def test_host_judging_is_bounded_in_cpu_time_and_runs_off_the_event_loop(monkeypatch):
+    """Found in review: values shaped to be expensive cost the trainer's process seconds of CPU per run, on the
+    rollout worker's event loop (~10 s blocked). Judging now has a CPU budget per test and runs on a thread."""
+    from sao.sandbox import hosteval
+
+    slow = "assert all(f() != i for i in range(40000))"
+    assert _judge(slow, "-1")[0] is True  # within the budgets as they are
+    check = judge.plan(slow)
+    monkeypatch.setattr(hosteval, "MAX_HOST_CPU_S", 0.01)
+    ok, error, _ = judge.judge(check, {"f()": ("value", "-1")})
+    assert not ok and "took over 0.01 s of CPU" in error
+    monkeypatch.undo()
+
+    async def go():
+        gaps, done = [], asyncio.Event()
+
+        async def tick():
+            while not done.is_set():
+                t = time.perf_counter()
+                await asyncio.sleep(0.005)
+                gaps.append(time.perf_counter() - t)
+
+        ticker = asyncio.ensure_future(tick())
+        t0 = time.perf_counter()
+        verdict = await NamespaceSandbox().run_async("def f():\n    return -1\n", [slow] * 4, FAST)
+        judged_s = time.perf_counter() - t0
+        done.set()
+        await ticker
+        return verdict, judged_s, max(gaps)
+
+    verdict, judged_s, worst = asyncio.run(go())
+    assert verdict.status == "passed", verdict
+    assert worst < 0.25, (worst, judged_s)  # the loop kept ticking while four slow tests were judged
+
+
 def test_the_host_keeps_expected_values_and_judges_data_only():
     check = judge.plan("assert f(1, [2]) == {'a': (3, None)}")
     assert check.calls == ("f(1, [2])",) and "3" not in "".join(check.calls)  # the expected value stays here

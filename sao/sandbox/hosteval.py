@@ -24,9 +24,10 @@ Two passes over the same program:
   collecting but only in the taken one while running, so later draws can differ; no HumanEval
   test does this.
 
-What the host runs is bounded (`Budget`): node count, sizes of sequences, ranges, powers and shifts,
-so a value from the sandbox (a 65,536-character string, a huge int) cannot make the host do
-unbounded work. Every exception here fails the test; none escapes `run`.
+What the host runs is bounded: node count, CPU time (`MAX_HOST_CPU_S` per test, of the judging
+thread), sizes of sequences, ranges, powers and shifts, so a value from the sandbox (a 65,536-character
+string, a huge int, many small nodes) cannot make the host do unbounded work; the judging runs off the
+event loop (sao/sandbox/namespace.py), so it never stalls the rollout worker's other episodes. Every exception here fails the test; none escapes `run`.
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ import math
 import operator
 import random as _random
 import string as _string
+import time
 from dataclasses import dataclass
 from typing import Any
 
 MAX_VALUE_CHARS = 65536  # a longer repr is not parsed: the test fails ("value too large")
 MAX_NODES = 200_000  # expression nodes one test may evaluate on the host
+MAX_HOST_CPU_S = 1.0  # CPU seconds (of the judging thread) one test may take on the host
 MAX_LEN = 1_000_000  # items of a sequence, range or string the host builds
 MAX_BITS = 1_000_000  # bits of an int the host computes by ** or <<
 RANDOM_SEED = 0  # `import random` in a test gives a host Random with this seed, in both passes
@@ -249,6 +252,7 @@ class _Interpreter:
         self.calls: dict[str, None] = {}
         self.unknown: list[str] = []  # names the host does not know (callables None: the first is the function)
         self.nodes, self.asserted = 0, False
+        self.cpu_from = time.thread_time()
         self.used: list[tuple[str, Any]] = []  # sandbox calls of the current assert, for the message
         self.last_got: str | None = None
 
@@ -327,6 +331,8 @@ class _Interpreter:
         self.nodes += 1
         if self.nodes > MAX_NODES:
             raise TestFailed("the test's evaluation on the host exceeded its budget")
+        if not self.nodes & 255 and time.thread_time() - self.cpu_from > MAX_HOST_CPU_S:
+            raise TestFailed(f"the test's evaluation on the host took over {MAX_HOST_CPU_S:g} s of CPU")
         method = getattr(self, f"e_{type(node).__name__}", None)
         if method is None:
             raise NotHostJudged(f"{type(node).__name__} expressions are not judged on the host")

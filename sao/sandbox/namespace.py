@@ -71,7 +71,9 @@ class NamespaceSandbox:
     async def run_async(self, code: str, tests: list[str] | str, limits: Limits = DEFAULT_LIMITS, *,
                         setup: str = "", entry: str | None = None) -> Verdict:
         mechanism = await asyncio.to_thread(choose, self.requested)  # the first call probes (blocking)
-        return await _Run(code, tests, limits, setup, mechanism, self.guard, entry).execute()
+        # planning runs the host's interpreter over each test (its collect pass): off the event loop too
+        run = await asyncio.to_thread(_Run, code, tests, limits, setup, mechanism, self.guard, entry)
+        return await run.execute()
 
 
     async def evaluate_async(self, code: str, exprs: list[str], limits: Limits = DEFAULT_LIMITS, *,
@@ -304,7 +306,9 @@ class _Run:
         if cgroup_oom(self.cgroups):
             events.add("memory")
         self.records = records.decode("utf-8", "replace")
-        return build_verdict(self, self.records, output.text(), proc.returncode, events, time.monotonic() - start)
+        # judging runs the host's interpreter over what the run returned: on a thread, never on the event loop
+        return await asyncio.to_thread(build_verdict, self, self.records, output.text(), proc.returncode, events,
+                                       time.monotonic() - start)
 
     async def _watch(self, proc, events: set) -> None:
         """Sum the resident memory (shared pages included) of every process of the run; kill it over the limit."""
