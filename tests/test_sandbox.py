@@ -103,7 +103,7 @@ def _judge(test, got, entry=None):
     """Judge `test` as if the sandbox had returned `got` (a repr, or an exception message) for each call."""
     check = judge.plan(test, entry)
     assert check.host_judged, check.reason
-    return judge.judge(check, {c: got if isinstance(got, tuple) else ("value", got) for c in check.calls})
+    return judge.judge(check, [got if isinstance(got, tuple) else ("value", got) for _ in check.calls])
 
 
 def test_host_judging_is_bounded_in_cpu_time_and_runs_off_the_event_loop(monkeypatch):
@@ -111,11 +111,11 @@ def test_host_judging_is_bounded_in_cpu_time_and_runs_off_the_event_loop(monkeyp
     rollout worker's event loop (~10 s blocked). Judging now has a CPU budget per test and runs on a thread."""
     from sao.sandbox import hosteval
 
-    slow = "assert all(f() != i for i in range(40000))"
+    slow = "y = f()\nassert all(y != i for i in range(40000))"
     assert _judge(slow, "-1")[0] is True  # within the budgets as they are
     check = judge.plan(slow)
     monkeypatch.setattr(hosteval, "MAX_HOST_CPU_S", 0.01)
-    ok, error, _ = judge.judge(check, {"f()": ("value", "-1")})
+    ok, error, _ = judge.judge(check, [("value", "-1")] * len(check.calls))
     assert not ok and "took over 0.01 s of CPU" in error
     monkeypatch.undo()
 
@@ -142,8 +142,8 @@ def test_host_judging_is_bounded_in_cpu_time_and_runs_off_the_event_loop(monkeyp
 
 
 def test_the_host_keeps_expected_values_and_judges_data_only():
-    check = judge.plan("assert f(1, [2]) == {'a': (3, None)}")
-    assert check.calls == ("f(1, [2])",) and "3" not in "".join(check.calls)  # the expected value stays here
+    check = judge.plan("assert f(1, (2,)) == {'a': (3, None)}")
+    assert check.calls == ("f(1, (2,))",) and "3" not in "".join(check.calls)  # the expected value stays here
     assert judge.plan("assert 5 == f(1)").calls == ("f(1)",) and judge.plan("assert not f(0)").host_judged
     assert judge.plan("assert f(2) in (1, 2), 'msg'").host_judged and judge.plan("assert f() is None").host_judged
     assert judge.plan("x = f(1)\nassert x == 2").calls == ("f(1)",)  # statements run on the host too
@@ -167,6 +167,30 @@ def test_the_host_keeps_expected_values_and_judges_data_only():
     assert _judge("assert f(2) == 5", ("fail", "ValueError: no"))[1] == "f(2) raised ValueError: no"
 
 
+@mechanisms
+def test_the_judge_sees_what_a_call_did_to_its_arguments_and_each_call_apart(mech):
+    """Found in review: only the returned value came back, so a test of an argument the function must change in
+    place was judged on the host's unchanged copy, and identical calls shared one evaluation, so a function
+    whose result must change between calls was judged as if it were pure."""
+    sort_in_place = "x = [3, 1, 2]\nassert f(x) is None\nassert x == [1, 2, 3]"
+    fill = "d = {}\nf(d, k='a')\nassert d == {'a': 1}"
+    counter = "assert f() == 1\nassert f() == 2\nassert [f(), f()] == [3, 4]"
+    right = {sort_in_place: "def f(x):\n    x.sort()\n", fill: "def f(d, k):\n    d[k] = 1\n",
+             counter: "n = [0]\ndef f():\n    n[0] += 1\n    return n[0]\n"}
+    wrong = {sort_in_place: "def f(x):\n    return None\n", fill: "def f(d, k):\n    return {k: 1}\n",
+             counter: "def f():\n    return 1\n"}
+    for test in (sort_in_place, fill, counter):
+        assert judge.plan(test).host_judged, test
+        good, bad = run(right[test], [test], mech=mech), run(wrong[test], [test], mech=mech)
+        assert good.status == "passed" and good.tests[0].judge == "host", (test, good)
+        assert bad.status == "failed" and bad.tests[0].judge == "host", (test, bad)
+    assert len(judge.plan(counter).calls) == 4  # four evaluations, in order
+    # a branch the host decides is planned as the run takes it: no extra evaluation, no extra random draw
+    plan = judge.plan("import random\nk = random.randint(0, 9)\nassert (f(k) if k > 100 else f(k + 1)) == 1\n"
+                      "assert f(random.randint(0, 9)) == 2")
+    assert len(plan.calls) == 2, plan.calls
+
+
 def test_compound_and_tolerance_asserts_are_decided_by_the_host():
     """Found in review: these forms were host-judged in name only: the comparison ran inside, with the code's objects."""
     cases = [("assert f(1) == 3 and f(2) == 7", {"f(1)": "3", "f(2)": "7"}, {"f(1)": "3", "f(2)": "8"}),
@@ -178,8 +202,8 @@ def test_compound_and_tolerance_asserts_are_decided_by_the_host():
     for test, right, wrong in cases:
         check = judge.plan(test)
         assert check.host_judged and set(check.calls) == set(right), test
-        assert judge.judge(check, {c: ("value", v) for c, v in right.items()})[0] is True, test
-        passed, error = judge.judge(check, {c: ("value", v) for c, v in wrong.items()})[:2]
+        assert judge.judge(check, [("value", right[c]) for c in check.calls])[0] is True, test
+        passed, error = judge.judge(check, [("value", wrong[c]) for c in check.calls])[:2]
         assert passed is False and "returned" in error and " 7" not in error.split("returned")[0], (test, error)
 
 
@@ -189,7 +213,7 @@ def test_host_evaluation_is_bounded_and_total():
         check = judge.plan(test)
         assert check.host_judged, test
         got = {"assert 2 ** f() > 0": str(10 ** 12), "assert len(range(f())) > 0": str(10 ** 18)}.get(test, repr("ab" * 30000))
-        values = {c: ("value", v) for c, v in zip(check.calls, ["100000000000", "10000000"] if "<<" in test else [got])}
+        values = [("value", v) for c, v in zip(check.calls, ["100000000000", "10000000"] if "<<" in test else [got])]
         passed, error, _ = judge.judge(check, values)
         assert passed is False and ("for the host" in error or "sorted" in test), (test, error)  # a bound, not MemoryError
     bomb = "[" * 5000 + "]" * 5000

@@ -11,23 +11,32 @@ fails its test, so a returned object's `__eq__`, `__sub__` or `__bool__` never r
 
 Two passes over the same program:
 - `collect(program)` (at plan time) runs it with every sandbox value unknown (`PENDING`, which
-  every operation propagates; both sides of `and`/`or`/`if` are visited; a loop over an unknown
-  value runs its body once) and lists the calls the sandbox must evaluate. A call whose arguments
-  depend on a sandbox value (`f(f(1))`, `g(f(1))`) cannot be planned: the test is not host-judged.
-- `run(program, values)` (after the sandbox run) executes it for real with those values.
+  every operation propagates; a branch, `and`/`or` or comparison chain whose deciding value is the
+  host's own is taken exactly as the run will take it; only one decided by a sandbox value visits
+  both sides; a loop over an unknown value runs its body once) and lists the calls the sandbox must
+  evaluate, every occurrence its own evaluation, in order (a function whose result changes between
+  calls, a generator, a counter, is judged call by call). A call whose arguments depend on a sandbox
+  value (`f(f(1))`, `g(f(1))`) cannot be planned: the test is not host-judged.
+- `run(program, values)` (after the sandbox run) executes it for real with those values, matching
+  each call it reaches to the next planned evaluation of the same call.
+
+What a call does to its arguments is seen: for every argument that is a list, dict or set, the
+sandbox returns it as it is after the call, and the host updates its own object in place, so
+`x = [3, 1, 2]; f(x); assert x == [1, 2, 3]` judges what `f` did to `x`.
   Without an entry point (generated tasks), the first name the host does not know is the function
   under test; a second one (`assert f(1) == g(1)`, `assert f(1) == EXPECTED`) would let the code under
   test define what the test compares against, so such a test is not host-judged.
   A call first reached in `run` (not possible for the forms above: their arguments are the host's
-  own values, found in both passes) fails its test as "not evaluated in the sandbox". One known
-  gap: seeded `random` drawn inside `and`/`or`/`if` branches is drawn in both branches while
-  collecting but only in the taken one while running, so later draws can differ; no HumanEval
-  test does this.
+  own values, found in both passes) fails its test as "not evaluated in the sandbox". What remains
+  of the two passes' difference: where a branch is decided by a sandbox value, the sandbox evaluates
+  the calls of both sides (in order), and seeded `random` is drawn in both while collecting; no
+  HumanEval test does this.
 
 What the host runs is bounded: node count, CPU time (`MAX_HOST_CPU_S` per test, of the judging
 thread), sizes of sequences, ranges, powers and shifts, so a value from the sandbox (a 65,536-character
 string, a huge int, many small nodes) cannot make the host do unbounded work; the judging runs off the
-event loop (sao/sandbox/namespace.py), so it never stalls the rollout worker's other episodes. Every exception here fails the test; none escapes `run`.
+event loop (sao/sandbox/namespace.py), so it never stalls the rollout worker's other episodes. Every
+exception here fails the test; none escapes `run`.
 """
 
 from __future__ import annotations
@@ -223,7 +232,8 @@ def program_of(test: str, entry: str | None = None) -> Program:
 
 
 def collect(program: Program) -> list[str]:
-    """The sandbox calls the program needs, in first-use order (sources with literal arguments)."""
+    """The sandbox evaluations the program needs, one per call it makes, in order: source text with
+    literal arguments (a call with list, dict or set arguments also returns them as they are after it)."""
     interp = _Interpreter(program, None)
     interp.execute()
     if not any(isinstance(s, ast.Assert) for s in program.statements) and not interp.asserted:
@@ -231,9 +241,11 @@ def collect(program: Program) -> list[str]:
     return list(interp.calls)
 
 
-def run(program: Program, values: dict[str, Any]) -> tuple[bool, str, str | None]:
-    """(passed, error, got): the program run for real over the sandbox's values. Never raises."""
+def run(program: Program, calls: list[str], values: list[Any]) -> tuple[bool, str, str | None]:
+    """(passed, error, got): the program run for real over the sandbox's values (`values[k]` of the
+    evaluation `calls[k]`, as `collect` listed them). Never raises."""
     interp = _Interpreter(program, values)
+    interp.planned = list(calls)
     try:
         interp.execute()
         return True, "", interp.last_got
@@ -246,10 +258,12 @@ def run(program: Program, values: dict[str, Any]) -> tuple[bool, str, str | None
 class _Interpreter:
     """Runs a Program: collect mode (`values is None`) or judge mode."""
 
-    def __init__(self, program: Program, values: dict[str, Any] | None):
+    def __init__(self, program: Program, values: list[Any] | None):
         self.program, self.values, self.collecting = program, values, values is None
         self.env: dict[str, Any] = {name: SandboxRef(target) for name, target in program.bindings}
-        self.calls: dict[str, None] = {}
+        self.calls: list[str] = []  # collect: every evaluation, in order
+        self.planned: list[str] = []  # run: the collected evaluations (Program-derived, the same texts)
+        self.next_call = 0  # run: the first planned evaluation not used yet
         self.unknown: list[str] = []  # names the host does not know (callables None: the first is the function)
         self.nodes, self.asserted = 0, False
         self.cpu_from = time.thread_time()
@@ -286,6 +300,8 @@ class _Interpreter:
             self.imports(s)
         elif isinstance(s, ast.Expr) and isinstance(s.value, (ast.Constant, ast.Name)):
             return  # a docstring, or a bare `print`
+        elif isinstance(s, ast.Expr) and isinstance(s.value, ast.Call):
+            self.expr(s.value)  # a call for what it does (to its arguments, to the function's state)
         elif not isinstance(s, ast.Pass):
             raise NotHostJudged(f"line {s.lineno}: {type(s).__name__} statements are not judged on the host")
 
@@ -383,7 +399,32 @@ class _Interpreter:
                 raise NotHostJudged(f"the arguments of {func.name}(...) depend on a value from the sandbox")
             parts = [to_source(a) for a in args] + [f"{k}={to_source(v)}" for k, v in kwargs.items()]
             source = f"{func.name}({', '.join(parts)})"
-            return self.sandbox_call(source, source)
+            mutable = [i for i, a in enumerate(args) if type(a) in (list, dict, set)]
+            mutable_kw = [k for k, v in kwargs.items() if type(v) in (list, dict, set)]
+            if not mutable and not mutable_kw:
+                return self.sandbox_call(source, source)
+            # the call, then its list/dict/set arguments as they are after it: (result, {position: value})
+            positional = "(" + "".join(to_source(a) + ", " for a in args) + ")"
+            named = "{" + ", ".join(f"{k!r}: {to_source(v)}" for k, v in kwargs.items()) + "}"
+            keep = ", ".join([f"{i}: __a[{i}]" for i in mutable] + [f"{k!r}: __k[{k!r}]" for k in mutable_kw])
+            evaluation = (f"(lambda __a, __k: (lambda __r: (__r, {{{keep}}}))({func.name}(*__a, **__k)))"
+                          f"({positional}, {named})")
+            got = self.sandbox_call(source, evaluation)
+            if got is PENDING:
+                return PENDING
+            if not (type(got) is tuple and len(got) == 2 and type(got[1]) is dict):
+                raise TestFailed(f"{_short(source, 80)} did not come back as a call with its arguments")
+            result, after = got
+            for where, host in [(i, args[i]) for i in mutable] + [(k, kwargs[k]) for k in mutable_kw]:
+                new = after.get(where)
+                if type(new) is not type(host):
+                    raise TestFailed(f"{_short(source, 80)} left an argument that is not a {type(host).__name__}")
+                if type(host) is list:
+                    host[:] = new
+                else:
+                    host.clear()
+                    host.update(new)
+            return result
         if func is PENDING or any(_has_pending(v) for v in args + list(kwargs.values())):
             return PENDING
         if not callable(func):
@@ -392,14 +433,19 @@ class _Interpreter:
             raise TestFailed("a range of the test is too long for the host")
         return func(*args, **kwargs)
 
-    def sandbox_call(self, source: str, key: str):
+    def sandbox_call(self, source: str, evaluation: str):
+        """One evaluation in the sandbox: planned (collect), or the next planned one of the same text (run)."""
         if self.collecting:
-            if len(source) > MAX_VALUE_CHARS:
+            if len(evaluation) > MAX_VALUE_CHARS:
                 raise NotHostJudged("the arguments of a call are too large")
-            self.calls.setdefault(key, None)
+            self.calls.append(evaluation)
             return PENDING
-        value = self.values.get(key, CallError("was not evaluated in the sandbox"))
-        self.used.append((source, value))
+        try:
+            k = self.planned.index(evaluation, self.next_call)
+            self.next_call, value = k + 1, self.values[k]
+        except ValueError:
+            value = CallError("was not evaluated in the sandbox")
+        self.used.append((source, value[0] if type(value) is tuple and evaluation != source else value))
         if isinstance(value, CallError):
             self.last_got = None
             raise TestFailed(f"{_short(source, 80)} {value.message}")
@@ -439,8 +485,13 @@ class _Interpreter:
         return (not _truth(value)) if isinstance(node.op, ast.Not) else _UNARY[type(node.op)](value)
 
     def e_BoolOp(self, node):
-        if self.collecting:
-            values = [self.expr(v) for v in node.values]
+        if self.collecting:  # short-circuit as the run will, until a sandbox value decides: then every side
+            values = []
+            for v in node.values:
+                values.append(self.expr(v))
+                if values[-1] is not PENDING and PENDING not in values and \
+                        _truth(values[-1]) == isinstance(node.op, ast.Or):
+                    return values[-1]
             return PENDING if any(v is PENDING for v in values) else _boolop(node.op, values)
         value = None
         for v in node.values:
@@ -456,7 +507,7 @@ class _Interpreter:
         left = self.expr(node.left)
         rights = []
         for op, comparator in zip(node.ops, node.comparators):
-            if not self.collecting and rights and not rights[-1]:
+            if rights and rights[-1] is not PENDING and not rights[-1]:
                 break
             right = self.expr(comparator)
             if left is PENDING or right is PENDING:
@@ -470,9 +521,9 @@ class _Interpreter:
 
     def e_IfExp(self, node):
         test = self.expr(node.test)
-        if test is PENDING or self.collecting:
-            body, orelse = self.expr(node.body), self.expr(node.orelse)
-            return PENDING if test is PENDING else (body if _truth(test) else orelse)
+        if test is PENDING:  # decided by a sandbox value: both sides are planned
+            self.expr(node.body), self.expr(node.orelse)
+            return PENDING
         return self.expr(node.body) if _truth(test) else self.expr(node.orelse)
 
     def e_List(self, node):
@@ -550,13 +601,14 @@ class _Interpreter:
             raise NotHostJudged("async comprehensions are not judged on the host")
         for item in self.iterate(self.expr(first.iter)):
             self.bind(first.target, item)
-            conditions = [self.expr(c) for c in first.ifs] if self.collecting else None
-            if conditions is None:
-                if not all(_truth(self.expr(c)) for c in first.ifs):
-                    continue
-            elif not all(c is PENDING or _truth(c) for c in conditions):
-                continue
-            self.generate(node, generators[1:], out)
+            keep = True
+            for c in first.ifs:  # in order, stopping at the first the host knows is false (as the run does)
+                value = self.expr(c)
+                if value is not PENDING and not _truth(value):
+                    keep = False
+                    break
+            if keep:
+                self.generate(node, generators[1:], out)
 
     def explain(self, what: str = "") -> str:
         """Why an assert failed: its sandbox calls with the values they returned (never the expected one)."""

@@ -31,7 +31,7 @@ class Check:
 
     source: str
     program: Program | None = None  # None: sandbox-judged
-    calls: tuple[str, ...] = ()  # sources of the sandbox calls, literal arguments
+    calls: tuple[str, ...] = ()  # the sandbox evaluations, one per call the test makes, in order (literal arguments)
     reason: str = ""  # why the test is sandbox-judged
 
     @property
@@ -54,16 +54,17 @@ def plan(test: str, entry: str | None = None) -> Check:
     return Check(test, program, tuple(calls))
 
 
-def judge(check: Check, results: dict[str, tuple[str, str]]) -> tuple[bool, str, str | None]:
-    """(passed, error, got) for a host-judged check, from the sandbox's (kind, text) per call.
+def judge(check: Check, results: list[tuple[str, str]]) -> tuple[bool, str, str | None]:
+    """(passed, error, got) for a host-judged check, from the sandbox's (kind, text) of each evaluation in
+    `check.calls`, in order.
 
     kind "value": text is the call's repr; anything else: the call failed with text as its message."""
-    values = {}
-    for call in check.calls:
-        kind, text = results.get(call, ("missing", "was not run"))
+    values = []
+    for k in range(len(check.calls)):
+        kind, text = results[k] if k < len(results) else ("missing", "was not run")
         if kind == "value":
-            values[call] = hosteval.parse_value(text)
+            values.append(hosteval.parse_value(text))
         else:
             raised = kind in ("fail", "memory") and not text.startswith("not run")
-            values[call] = CallError(f"raised {text}" if raised else text)
-    return hosteval.run(check.program, values)
+            values.append(CallError(f"raised {text}" if raised else text))
+    return hosteval.run(check.program, list(check.calls), values)

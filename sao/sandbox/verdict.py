@@ -56,8 +56,7 @@ def test_results(checks: list[judge.Check], steps: dict) -> tuple[TestResult, ..
     out = []
     for i, check in enumerate(checks):
         if check.host_judged:
-            results = {call: steps.get(f"test{i + 1}.{j + 1}", ("missing", "was not run"))
-                       for j, call in enumerate(check.calls)}
+            results = [steps.get(f"test{i + 1}.{j + 1}", ("missing", "was not run")) for j in range(len(check.calls))]
             ok, error, got = judge.judge(check, results)
             out.append(TestResult(i + 1, ok, "host", None if got is None else clean(got), clean(one_line(error))))
             continue
