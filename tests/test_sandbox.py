@@ -901,3 +901,66 @@ def test_the_suite_passes_as_an_unprivileged_user():
             os.rmdir(d)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+# --- derived checks (sao/sandbox/derive.py) ------------------------------------------------------------
+
+
+def _derived_verdicts(reference, test, entry, candidates):
+    from sao.sandbox.derive import derive
+
+    derived = derive(NamespaceSandbox(), reference, test, entry, Limits(wall_s=10))
+    check = judge.plan(derived, entry)
+    assert check.host_judged, check.reason
+    return derived, [NamespaceSandbox().run(code, [check], FAST) for code in candidates]
+
+
+def test_derived_checks_keep_the_tests_meaning():
+    """Found in review: a test expecting an exception, checking a side effect or comparing floats tightly became
+    a derived check that dropped the exception, dropped the side effect or loosened the tolerance to 1e-6, so
+    wrong code got reward 1.0. Each test below needs a helper, so the host cannot walk it as written."""
+    raises = ("def check(candidate):\n"
+              "    def bad(x):\n"
+              "        try:\n"
+              "            candidate(x)\n"
+              "        except ValueError:\n"
+              "            return True\n"
+              "        return False\n"
+              "    assert candidate(4) == 2\n"
+              "    assert bad(-1)\n")
+    reference = "def root(x):\n    if x < 0:\n        raise ValueError('negative')\n    return int(x ** 0.5)\n"
+    derived, (good, wrong) = _derived_verdicts(reference, raises, "root", [
+        reference, "def root(x):\n    return int(abs(x) ** 0.5)\n"])
+    assert "__sao_raises__('ValueError', candidate, -1)" in derived
+    assert good.status == "passed" and wrong.status == "failed" and "should raise ValueError" in wrong.tests[0].error
+
+    side_effect = ("def check(candidate):\n"
+                   "    def sorted_by(v):\n"
+                   "        candidate(v)\n"
+                   "        return v\n"
+                   "    assert sorted_by([3, 1, 2]) == [1, 2, 3]\n")
+    derived, (good, noop) = _derived_verdicts("def sort_it(v):\n    v.sort()\n", side_effect, "sort_it", [
+        "def sort_it(v):\n    v[:] = sorted(v)\n", "def sort_it(v):\n    return sorted(v)\n"])
+    assert "== [1, 2, 3]" in derived and good.status == "passed" and noop.status == "failed", (derived, noop)
+
+    tight = ("import math\n\ndef check(candidate):\n"
+             "    def near(x, y):\n"
+             "        return abs(x - y) < 1e-12\n"
+             "    assert near(candidate(2.0), math.sqrt(2.0))\n")
+    derived, (good, close) = _derived_verdicts("import math\ndef sq(x):\n    return math.sqrt(x)\n", tight, "sq", [
+        "def sq(x):\n    return x ** 0.5\n", "def sq(x):\n    return x ** 0.5 + 1e-8\n"])
+    assert "abs_tol=1e-12" in derived and good.status == "passed" and close.status == "failed", (derived, close)
+
+
+def test_a_reference_whose_results_differ_between_runs_is_refused():
+    from sao.sandbox.derive import NotDerivable, derive
+
+    test = ("def check(candidate):\n"
+            "    def words(n):\n"
+            "        return candidate(n)\n"
+            "    assert len(words(30)) == 30\n")
+    unordered = "def uniq(n):\n    return list({f'w{i}' for i in range(n)})\n"  # string hashes differ per process
+    with pytest.raises(NotDerivable, match="differ between two runs"):
+        derive(NamespaceSandbox(), unordered, test, "uniq", Limits(wall_s=10))
+    ordered = "def uniq(n):\n    return sorted({f'w{i}' for i in range(n)})\n"
+    assert "candidate(30) ==" in derive(NamespaceSandbox(), ordered, test, "uniq", Limits(wall_s=10))

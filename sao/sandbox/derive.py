@@ -19,6 +19,7 @@ code runs here; the code under test never sees the recorded values.
 
 from __future__ import annotations
 
+import ast
 from typing import Any
 
 from sao.sandbox import hosteval, judge
@@ -27,7 +28,6 @@ from sao.sandbox.protocol import DEFAULT_LIMITS, Limits
 CHUNK = 60_000  # characters of the recorded trace per sandbox value (values are capped at 65,536)
 MAX_CHUNKS = 16
 MAX_CALLS = 2_000
-FLOAT_TOL = 1e-6  # rel_tol and abs_tol of a derived float comparison
 
 _RECORDER = '''
 
@@ -39,9 +39,13 @@ def __sao_trace__(_test, _entry, _chunk, _size):
         _fn, _calls = _g[_entry], []
 
         def candidate(*args, **kwargs):
-            _args = repr((args, kwargs))
-            _result = _fn(*args, **kwargs)
-            _calls.append((_args, repr(_result)))
+            _before = repr((args, kwargs))
+            try:
+                _result = _fn(*args, **kwargs)
+            except Exception as _e:
+                _calls.append((_before, None, type(_e).__name__, repr((args, kwargs))))
+                raise
+            _calls.append((_before, repr(_result), None, repr((args, kwargs))))
             return _result
 
         _ns = dict(_g)
@@ -58,8 +62,26 @@ class NotDerivable(ValueError):
     """The reference cannot turn this test into a host-judged one (the reason is one line)."""
 
 
-def derive(sandbox: Any, reference: str, test: str, entry: str, limits: Limits = DEFAULT_LIMITS) -> str:
-    """A host-judged check with the calls the reference made while passing `test`, and its results."""
+def tolerances(test: str) -> tuple[float, float]:
+    """(rel_tol, abs_tol) the test itself uses for floats: the smallest of its `isclose(...)` tolerances
+    (rel_tol 1e-09 when it gives none) and of its `abs(a - b) < eps` bounds; (0, 0): it compares exactly."""
+    rel, absolute = [], []
+    for node in ast.walk(ast.parse(test)):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "isclose":
+            given = {k.arg: k.value.value for k in node.keywords if isinstance(k.value, ast.Constant)}
+            rel.append(float(given.get("rel_tol", 1e-9)))
+            if "abs_tol" in given:
+                absolute.append(float(given["abs_tol"]))
+        bounded = isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Lt, ast.LtE))
+        if bounded and isinstance(node.left, ast.Call) and \
+                (getattr(node.left.func, "id", None) or getattr(node.left.func, "attr", None)) in ("abs", "fabs"):
+            bound = node.comparators[0]
+            if isinstance(bound, ast.Constant) and type(bound.value) in (int, float):
+                absolute.append(float(bound.value))
+    return (min(rel) if rel else 0.0), (min(absolute) if absolute else 0.0)
+
+
+def _trace(sandbox: Any, reference: str, test: str, entry: str, limits: Limits) -> list:
     exprs = [f"__sao_trace__({test!r}, {entry!r}, {k}, {CHUNK})" for k in range(MAX_CHUNKS)]
     verdict, results = sandbox.evaluate(reference + _RECORDER, exprs, limits)
     if verdict.solution_error:
@@ -71,23 +93,44 @@ def derive(sandbox: Any, reference: str, test: str, entry: str, limits: Limits =
     trace = hosteval.parse_value("".join(c for c in chunks if isinstance(c, str)))
     if not isinstance(trace, list) or not trace:
         raise NotDerivable("the test made no call of the entry point (or its trace is too long)")
-    lines, seen = [], set()
-    for args_text, result_text in trace[:MAX_CALLS]:
-        call, result = hosteval.parse_value(args_text), hosteval.parse_value(result_text)
-        if isinstance(call, hosteval.CallError) or isinstance(result, hosteval.CallError):
+    return trace
+
+
+def derive(sandbox: Any, reference: str, test: str, entry: str, limits: Limits = DEFAULT_LIMITS) -> str:
+    """A host-judged check with the calls the reference made while passing `test`: their results, the
+    exceptions they raised, what they did to their arguments; float results compared with the test's own
+    tolerance. The reference runs twice (two processes, two hash seeds): results that differ between the
+    runs (set or dict order, time) are refused, since correct code would then fail at random."""
+    trace = _trace(sandbox, reference, test, entry, limits)
+    if _trace(sandbox, reference, test, entry, limits) != trace:
+        raise NotDerivable("the reference's calls or results differ between two runs (set or hash order, time, "
+                           "unseeded randomness): a derived check would fail correct code at random")
+    rel, absolute = tolerances(test)
+    lines: list[str] = []
+    for n, (before_text, result_text, raised, after_text) in enumerate(trace[:MAX_CALLS]):
+        before, after = hosteval.parse_value(before_text), hosteval.parse_value(after_text)
+        result = None if raised else hosteval.parse_value(result_text)
+        if any(isinstance(v, hosteval.CallError) for v in (before, after, result)):
             raise NotDerivable("an argument or result of the reference is not plain data")
-        args, kwargs = call
-        source = ", ".join([hosteval.to_source(a) for a in args] + [f"{k}={hosteval.to_source(v)}"
-                                                                     for k, v in kwargs.items()])
-        if source in seen:
+        (args, kwargs), (args_after, kwargs_after) = before, after
+        changed = [i for i, (a, b) in enumerate(zip(args, args_after)) if a != b]
+        if kwargs != kwargs_after or (changed and raised):
+            raise NotDerivable("the reference changes a keyword argument, or an argument of a call that raises: "
+                               "the host cannot check that side effect")
+        names = {i: f"__arg{n}_{i}" for i in changed}
+        lines += [f"    {names[i]} = {hosteval.to_source(args[i])}" for i in changed]
+        parts = [names.get(i) or hosteval.to_source(a) for i, a in enumerate(args)]
+        parts += [f"{k}={hosteval.to_source(v)}" for k, v in kwargs.items()]
+        call = f"candidate({', '.join(parts)})"
+        if raised:
+            lines.append(f"    assert {hosteval.RAISES}({raised!r}, candidate{''.join(', ' + p for p in parts)})")
             continue
-        seen.add(source)
         expected = hosteval.to_source(result)
-        if type(result) is float:
-            lines.append(f"    assert math.isclose(candidate({source}), {expected}, rel_tol={FLOAT_TOL}, "
-                         f"abs_tol={FLOAT_TOL})")
+        if type(result) is float and (rel or absolute):
+            lines.append(f"    assert math.isclose({call}, {expected}, rel_tol={rel!r}, abs_tol={absolute!r})")
         else:
-            lines.append(f"    assert candidate({source}) == {expected}")
+            lines.append(f"    assert {call} == {expected}")
+        lines += [f"    assert {names[i]} == {hosteval.to_source(args_after[i])}" for i in changed]
     derived = "import math\n\n\ndef check(candidate):\n" + "\n".join(lines) + "\n"
     check = judge.plan(derived, entry)
     if not check.host_judged:

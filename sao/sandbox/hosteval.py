@@ -58,6 +58,7 @@ MAX_HOST_CPU_S = 1.0  # CPU seconds (of the judging thread) one test may take on
 MAX_LEN = 1_000_000  # items of a sequence, range or string the host builds
 MAX_BITS = 1_000_000  # bits of an int the host computes by ** or <<
 RANDOM_SEED = 0  # `import random` in a test gives a host Random with this seed, in both passes
+RAISES = "__sao_raises__"  # the host's check of an expected exception (derived checks)
 
 
 class NotHostJudged(Exception):
@@ -385,6 +386,8 @@ class _Interpreter:
         return value
 
     def e_Call(self, node):
+        if isinstance(node.func, ast.Name) and node.func.id == RAISES:
+            return self.raises(node)
         if isinstance(node.func, ast.Name):
             node.func._sao_parent = node  # a name that is called, not read
         func = self.expr(node.func)
@@ -433,8 +436,31 @@ class _Interpreter:
             raise TestFailed("a range of the test is too long for the host")
         return func(*args, **kwargs)
 
-    def sandbox_call(self, source: str, evaluation: str):
-        """One evaluation in the sandbox: planned (collect), or the next planned one of the same text (run)."""
+    def raises(self, node):
+        """`__sao_raises__('ValueError', f, *args)`: True when the sandbox call f(*args) raised an exception of
+        that name (derived checks, sao/sandbox/derive.py: an exception the reference raised stays expected)."""
+        if len(node.args) < 2 or node.keywords or not isinstance(node.args[0], ast.Constant) or \
+                type(node.args[0].value) is not str or not isinstance(node.args[1], ast.Name):
+            raise NotHostJudged(f"{RAISES}(name, function, *args) only")
+        node.args[1]._sao_parent = node
+        func, args = self.expr(node.args[1]), self.items(node.args[2:])
+        if not isinstance(func, SandboxRef):
+            raise NotHostJudged(f"{RAISES} checks a sandbox call only")
+        if any(_has_pending(v) for v in args):
+            raise NotHostJudged(f"the arguments of {func.name}(...) depend on a value from the sandbox")
+        source = f"{func.name}({', '.join(to_source(a) for a in args)})"
+        value = self.sandbox_call(source, source, raw=True)
+        if value is PENDING:
+            return PENDING
+        name = node.args[0].value
+        if isinstance(value, CallError) and (value.message == f"raised {name}" or value.message.startswith(f"raised {name}:")):
+            return True
+        got = value.message if isinstance(value, CallError) else f"returned {_short(repr(value), 60)}"
+        raise TestFailed(f"{_short(source, 80)} should raise {name}; it {got}")
+
+    def sandbox_call(self, source: str, evaluation: str, raw: bool = False):
+        """One evaluation in the sandbox: planned (collect), or the next planned one of the same text (run).
+        `raw`: a call that raised gives its CallError instead of failing the test."""
         if self.collecting:
             if len(evaluation) > MAX_VALUE_CHARS:
                 raise NotHostJudged("the arguments of a call are too large")
@@ -446,6 +472,8 @@ class _Interpreter:
         except ValueError:
             value = CallError("was not evaluated in the sandbox")
         self.used.append((source, value[0] if type(value) is tuple and evaluation != source else value))
+        if raw:
+            return value
         if isinstance(value, CallError):
             self.last_got = None
             raise TestFailed(f"{_short(source, 80)} {value.message}")
