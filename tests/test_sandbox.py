@@ -191,6 +191,31 @@ def test_the_judge_sees_what_a_call_did_to_its_arguments_and_each_call_apart(mec
     assert len(plan.calls) == 2, plan.calls
 
 
+@mechanisms
+def test_a_walk_the_sandbox_decides_is_refused_not_guessed(mech):
+    """Found in review: where a sandbox value decided a branch, the sandbox evaluated the calls of both sides, so
+    a counter the test reads afterwards was one ahead and correct code failed; a random draw on both sides moved
+    the run's later draws off the planned ones. Such tests are now not host-judged (refused at load, or derived)."""
+    counter = "n = [0]\ndef f():\n    n[0] += 1\n    return n[0]\n"
+    undecided = ["assert (f() if f() == 1 else f()) == 2\nassert f() == 3",
+                 "assert f() == 1 or f() == 5\nassert f() == 2",
+                 "assert [f() for _ in range(3) if f() > 100] == []\nassert f() == 4",
+                 "import random\nassert (random.random() if f() else 0) < 1\nassert f(random.randint(0, 9)) == 2",
+                 "for x in f():\n    assert f() == x"]
+    for test in undecided:
+        check = judge.plan(test)
+        assert not check.host_judged and ("value from the sandbox" in check.reason
+                                          or "by a value from" in check.reason), (test, check)
+    # stopping early fails the assert anyway: `and` at the top of an assert and comparison chains stay host-judged
+    for test in ("assert f() == 1 and f() == 2\nassert f() == 3", "assert 0 < f() < f()\nassert f() == 3"):
+        check = judge.plan(test)
+        assert check.host_judged, (test, check)
+        good = run(counter, [test], mech=mech)
+        assert good.status == "passed" and good.tests[0].judge == "host", (test, good)
+    # a loop over the host's own values is walked as the run walks it
+    assert judge.plan("for k in range(3):\n    assert f() == k + 1").host_judged
+
+
 def test_compound_and_tolerance_asserts_are_decided_by_the_host():
     """Found in review: these forms were host-judged in name only: the comparison ran inside, with the code's objects."""
     cases = [("assert f(1) == 3 and f(2) == 7", {"f(1)": "3", "f(2)": "7"}, {"f(1)": "3", "f(2)": "8"}),

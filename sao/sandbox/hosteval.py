@@ -28,9 +28,10 @@ sandbox returns it as it is after the call, and the host updates its own object 
   test define what the test compares against, so such a test is not host-judged.
   A call first reached in `run` (not possible for the forms above: their arguments are the host's
   own values, found in both passes) fails its test as "not evaluated in the sandbox". What remains
-  of the two passes' difference: where a branch is decided by a sandbox value, the sandbox evaluates
-  the calls of both sides (in order), and seeded `random` is drawn in both while collecting; no
-  HumanEval test does this.
+  of the two passes' difference is refused, not guessed: a sandbox call or a `random` draw in code that
+  a sandbox value decides whether (or how often) the run reaches (a branch, the operands after an
+  `and`/`or` or a comparison chain, a loop over a sandbox value) makes the test not host-judged, since
+  its evaluations could not be planned in the run's order; no HumanEval test does this.
 
 What the host runs is bounded: node count, CPU time (`MAX_HOST_CPU_S` per test, of the judging
 thread), sizes of sequences, ranges, powers and shifts, so a value from the sandbox (a 65,536-character
@@ -42,6 +43,7 @@ exception here fails the test; none escapes `run`.
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy as _copy
 import functools
 import math
@@ -261,6 +263,8 @@ class _Interpreter:
 
     def __init__(self, program: Program, values: list[Any] | None):
         self.program, self.values, self.collecting = program, values, values is None
+        self.fails_short: ast.AST | None = None
+        self.undecided = 0  # collect: inside code whose walk a sandbox value decides (a branch, a loop's length)
         self.env: dict[str, Any] = {name: SandboxRef(target) for name, target in program.bindings}
         self.calls: list[str] = []  # collect: every evaluation, in order
         self.planned: list[str] = []  # run: the collected evaluations (Program-derived, the same texts)
@@ -282,6 +286,7 @@ class _Interpreter:
     def statement(self, s: ast.stmt) -> None:
         if isinstance(s, ast.Assert):
             self.asserted = True
+            self.fails_short = s.test  # `assert a and b`, `assert a < b < c`: stopping early fails the assert
             value = self.expr(s.test)
             if value is PENDING or self.collecting:
                 return
@@ -294,9 +299,10 @@ class _Interpreter:
                 self.bind(target, value)
         elif isinstance(s, ast.For) and not s.orelse:
             items = self.expr(s.iter)
-            for item in self.iterate(items):
-                self.bind(s.target, item)
-                self.block(s.body)
+            with self.deciding(items is PENDING):  # a loop over a sandbox value: how often its body runs
+                for item in self.iterate(items):
+                    self.bind(s.target, item)
+                    self.block(s.body)
         elif isinstance(s, (ast.Import, ast.ImportFrom)):
             self.imports(s)
         elif isinstance(s, ast.Expr) and isinstance(s.value, (ast.Constant, ast.Name)):
@@ -434,6 +440,8 @@ class _Interpreter:
             raise TestFailed(f"{type(func).__name__} is not callable")
         if func is range and (len(range(*args)) > MAX_LEN):
             raise TestFailed("a range of the test is too long for the host")
+        if self.undecided and isinstance(getattr(func, "__self__", None), _random.Random):
+            raise NotHostJudged("random is drawn where a value from the sandbox decides whether the run draws it")
         return func(*args, **kwargs)
 
     def raises(self, node):
@@ -462,6 +470,9 @@ class _Interpreter:
         """One evaluation in the sandbox: planned (collect), or the next planned one of the same text (run).
         `raw`: a call that raised gives its CallError instead of failing the test."""
         if self.collecting:
+            if self.undecided:
+                raise NotHostJudged(f"{_short(source, 60)} is reached or not (or how often) by a value from the "
+                                    "sandbox: its evaluations could not be planned in order")
             if len(evaluation) > MAX_VALUE_CHARS:
                 raise NotHostJudged("the arguments of a call are too large")
             self.calls.append(evaluation)
@@ -516,6 +527,10 @@ class _Interpreter:
         if self.collecting:  # short-circuit as the run will, until a sandbox value decides: then every side
             values = []
             for v in node.values:
+                if PENDING in values:  # reached or not by a sandbox value (unless not reaching it fails the assert)
+                    with self.deciding(not (node is self.fails_short and isinstance(node.op, ast.And))):
+                        values.append(self.expr(v))
+                    continue
                 values.append(self.expr(v))
                 if values[-1] is not PENDING and PENDING not in values and \
                         _truth(values[-1]) == isinstance(node.op, ast.Or):
@@ -537,7 +552,11 @@ class _Interpreter:
         for op, comparator in zip(node.ops, node.comparators):
             if rights and rights[-1] is not PENDING and not rights[-1]:
                 break
-            right = self.expr(comparator)
+            if PENDING in rights:  # reached or not by a sandbox value (unless not reaching it fails the assert)
+                with self.deciding(node is not self.fails_short):
+                    right = self.expr(comparator)
+            else:
+                right = self.expr(comparator)
             if left is PENDING or right is PENDING:
                 rights.append(PENDING)
             else:
@@ -549,8 +568,9 @@ class _Interpreter:
 
     def e_IfExp(self, node):
         test = self.expr(node.test)
-        if test is PENDING:  # decided by a sandbox value: both sides are planned
-            self.expr(node.body), self.expr(node.orelse)
+        if test is PENDING:  # decided by a sandbox value: both sides are walked, neither may call or draw
+            with self.deciding():
+                self.expr(node.body), self.expr(node.orelse)
             return PENDING
         return self.expr(node.body) if _truth(test) else self.expr(node.orelse)
 
@@ -627,16 +647,34 @@ class _Interpreter:
         first = generators[0]
         if first.is_async:
             raise NotHostJudged("async comprehensions are not judged on the host")
-        for item in self.iterate(self.expr(first.iter)):
-            self.bind(first.target, item)
-            keep = True
-            for c in first.ifs:  # in order, stopping at the first the host knows is false (as the run does)
-                value = self.expr(c)
-                if value is not PENDING and not _truth(value):
-                    keep = False
-                    break
-            if keep:
-                self.generate(node, generators[1:], out)
+        items = self.expr(first.iter)
+        with self.deciding(items is PENDING):
+            for item in self.iterate(items):
+                self.bind(first.target, item)
+                keep, pending = True, False
+                for c in first.ifs:  # in order, stopping at the first the host knows is false (as the run does)
+                    with self.deciding(pending):
+                        value = self.expr(c)
+                    if value is PENDING:
+                        pending = True
+                    elif not _truth(value):
+                        keep = False
+                        break
+                if keep:
+                    with self.deciding(pending):
+                        self.generate(node, generators[1:], out)
+
+    @contextlib.contextmanager
+    def deciding(self, undecided: bool = True):
+        """Collect mode: the code inside is walked although a sandbox value decides whether (or how often)
+        the run reaches it. A sandbox call or a random draw there could not be planned in the run's order
+        (the sandbox would evaluate calls the run skips; `random` would be drawn where the run does not),
+        so either makes the test not host-judged: correct code never fails for how the judge walks it."""
+        self.undecided += bool(undecided and self.collecting)
+        try:
+            yield
+        finally:
+            self.undecided -= bool(undecided and self.collecting)
 
     def explain(self, what: str = "") -> str:
         """Why an assert failed: its sandbox calls with the values they returned (never the expected one)."""
