@@ -7,7 +7,8 @@ Samples `--batches` batches on the default task from the run's starting policy (
 then runs them through two trainers, in turns (paired; the order alternates each repeat):
   - colocated: one process, v0 -> K critic updates -> v2 -> actor per batch, `--threads` torch threads;
   - separate: the actor in this process (`--threads` - 1 threads, at least 1), the critic in its own
-    process (critic.threads, default 1), handed batch n+1 before the actor steps on batch n.
+    process (critic.threads, default 1; `critic.ranks=M`: M FSDP2 critic processes), handed batch n+1
+    before the actor steps on batch n.
 No rollout runs meanwhile: this is the trainer alone on the machine's cores. The critic warm-up is off
 (every step has an actor step). Per step it records when each phase ran on each side (a timeline on the
 wall clock both processes share) and reports, per repeat, the median step wall (the first step of a
@@ -51,7 +52,8 @@ def sweep(cfg, model_path, batches, pad: int, separate: bool, threads: int) -> d
     actor = load_model(model_path).to(device)
     if separate:
         torch.set_num_threads(max(1, threads - 1))
-        group = start_critic_rank(critic_learner, (cfg, str(model_path), None), cfg.critic.threads)
+        group = start_critic_rank(critic_learner, (cfg, str(model_path), None), cfg.critic.threads,
+                                  cfg.critic.ranks, cfg.trainer.timeout_s)
         learner = Learner(actor, None, algo, cfg.algo, cfg.critic, cfg.train, critic_group=group)
     else:
         torch.set_num_threads(threads)

@@ -159,7 +159,10 @@ class CriticConfig(Section):
         "colocated: the critic trains in the trainer's process, before each actor step (the paper's sequence); "
         "separate: on its own process, one batch ahead, so its K updates and v2 for batch n+1 overlap the "
         "actor's step on batch n (same math, lag one more; docs/ranks.md §2)"))
-    threads: int = Field(1, ge=1, description="critic.placement=separate: torch threads of the critic's process")
+    threads: int = Field(1, ge=1, description="critic.placement=separate: torch threads of each critic process")
+    ranks: int = Field(1, ge=1, description=(
+        "critic.placement=separate: the critic's processes; M > 1 shards it with FSDP2 over M data-parallel "
+        "ranks of its own process group (gloo on CPU, NCCL on GPU; the math equals one process; docs/ranks.md §2)"))
 
 
 class TrainConfig(Section):

@@ -18,6 +18,8 @@ import pytest
     (["runtime.mode=sync", "runtime.rollout_only=true"], "runtime.rollout_only measures the async rollout side"),
     (["trainer.rank_num_cpus=0"], "trainer: rank_num_cpus and rank_num_gpus are both 0"),
     (["trainer.rank_num_gpus=0.5"], "trainer: rank_num_gpus must be 0 or a whole number"),
+    (["critic.ranks=2"], "critic.ranks: 2 critic ranks need critic.placement=separate"),
+    (["critic.placement=separate", "critic.ranks=8", "train.batch_size=4"], "critic.ranks: 8 ranks need at least 8"),
 ])
 def test_refused_in_one_line_before_anything_is_written(tmp_path, sao_cli, args, words):
     proc = sao_cli("train", *args, "--quiet", cwd=tmp_path)

@@ -86,6 +86,14 @@ def check_ranks(cfg: Config, resume: Path | None = None) -> None:
     optimizer states reach rank 0 only through the local rank driver (sao/trainer/ranks.py), not Ray's."""
     n = cfg.trainer.ranks
     algo = get_algorithm(cfg.algo.name)
+    m = cfg.critic.ranks
+    if m > 1 and algo.uses_critic:
+        if cfg.critic.placement != "separate":
+            raise ConfigError(f"critic.ranks: {m} critic ranks need critic.placement=separate (colocated, the critic "
+                              "trains on the trainer's ranks: trainer.ranks)")
+        if cfg.train.batch_size < m:
+            raise ConfigError(f"critic.ranks: {m} ranks need at least {m} trajectories per batch; train.batch_size="
+                              f"{cfg.train.batch_size}")
     if cfg.critic.placement == "separate" and algo.uses_critic:
         if n > 1:
             raise ConfigError(f"critic.placement: separate runs the critic as one process beside one trainer rank "

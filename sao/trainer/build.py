@@ -6,7 +6,7 @@ travel to spawned processes.
     build_trainer(cfg, model_path, ckpt)   a one-process Learner; at trainer.ranks=N a driver of N FSDP2
                                            ranks (sao/trainer/ranks.py; Ray actors with runtime.backend=ray,
                                            sao/trainer/ray_ranks.py, after the caller connected to Ray);
-                                           with critic.placement=separate the critic on its own process
+                                           with critic.placement=separate the critic on its own process(es)
     build_models(cfg, model_path, ckpt)    actor and critic on trainer.device, as every shape builds them
 """
 
@@ -45,7 +45,7 @@ def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None):
         from sao.trainer.critic_ranks import start_critic_rank
 
         group = start_critic_rank(critic_learner, (cfg, str(model_path), str(ckpt) if ckpt is not None else None),
-                                  cfg.critic.threads)
+                                  cfg.critic.threads, cfg.critic.ranks, cfg.trainer.timeout_s)
         return Learner(build_actor(cfg, model_path, ckpt), None, algo, cfg.algo, cfg.critic, cfg.train,
                        dtype=resolve_dtype(cfg.engine.dtype), critic_group=group)
     actor, critic = build_models(cfg, model_path, ckpt)
@@ -81,14 +81,29 @@ def rank_learner(cfg: Config, model_path: str, ckpt: str | None):
 
 
 def critic_learner(cfg: Config, model_path: str, ckpt: str | None) -> Learner:
-    """The critic's process's learner (critic.placement=separate; module-level: it travels to the spawned
-    process): the critic alone, built as `build_models` builds it, no actor."""
+    """A critic process's learner (critic.placement=separate; module-level: it travels to the spawned
+    process): the critic alone, built as `build_models` builds it, no actor. At critic.ranks=M > 1 (this
+    process is in the critic's process group) an FSDP2 `DistributedLearner` like `rank_learner`'s: critic
+    rank 0 reads the weights, the others receive their shards from it."""
+    import functools
+
+    import torch.distributed as dist
+
     from sao.models.quiet import quiet_transformers
 
     quiet_transformers()  # a spawned process starts with transformers' defaults
-    critic = build_critic_model(cfg, Path(model_path), Path(ckpt) if ckpt is not None else None)
-    return Learner(None, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train,
-                   dtype=resolve_dtype(cfg.engine.dtype))
+    model_path, ckpt = Path(model_path), Path(ckpt) if ckpt is not None else None
+    algo = get_algorithm(cfg.algo.name)
+    if not dist.is_initialized():
+        return Learner(None, build_critic_model(cfg, model_path, ckpt), algo, cfg.algo, cfg.critic, cfg.train,
+                       dtype=resolve_dtype(cfg.engine.dtype))
+    from sao.trainer.distributed import DistributedLearner
+
+    critic = build_critic_model(cfg, model_path, ckpt, meta=dist.get_rank() != 0)
+    learner = DistributedLearner(None, critic, algo, cfg.algo, cfg.critic, cfg.train,
+                                 mixed_precision=resolve_dtype(cfg.engine.dtype) == torch.bfloat16, from_rank0=True)
+    learner.rebuild_critic = functools.partial(build_critic_model, cfg, model_path, ckpt, True)
+    return learner
 
 
 def build_models(cfg: Config, model_path: Path, ckpt: Path | None, meta: bool = False):

@@ -28,7 +28,7 @@ import dataclasses
 import datetime
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -166,28 +166,95 @@ class DistributedLearner(Learner):
             if freeze:
                 freeze_parameters(critic, critic_cfg.freeze_pattern)
             critic = shard(critic)
-        # FSDP casts to bf16 itself: the base learner's autocast stays off (dtype float32)
-        super().__init__(shard(actor), critic, algo, algo_cfg, critic_cfg, train_cfg)
+        # FSDP casts to bf16 itself: the base learner's autocast stays off (dtype float32). No actor: a critic
+        # rank (critic.placement=separate, critic.ranks > 1), whose group holds the critic alone
+        super().__init__(shard(actor) if actor is not None else None, critic, algo, algo_cfg, critic_cfg, train_cfg)
         self.reduce = DistReducer()
         self._rows: list[int] = []
         self._global_size = 0
         self._local: Batch | None = None
         self._running_adv: torch.Tensor | None = None
+        # a critic rank: builds a whole critic on the meta device to save the gathered weights (build.py)
+        self.rebuild_critic: Callable[[], torch.nn.Module] | None = None
 
-    def step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on the whole `batch` (the same on every rank); this rank trains its rows."""
+    def _shard(self, batch: Batch) -> None:
         tokens = batch.attention_mask.sum(1).tolist()
         units = batch.group_ids if self.algo.grouped else batch.unit_keys()  # a group, an episode's rows: one rank
         self._rows = shard_rows(tokens, units, self.world)[self.rank]
         self._global_size = batch.size
+
+    def _slowest(self, metrics: dict) -> None:
+        timed = sorted(k for k in metrics if k.startswith("perf/") and k.endswith("_s"))
+        metrics.update(zip(timed, self.reduce.max_values([metrics[k] for k in timed])))  # the slowest rank
+
+    def critic_phase(self, batch: Batch) -> tuple[torch.Tensor | None, dict[str, float], int]:
+        """Steps 1-3 on this critic rank's rows of the whole `batch` (the same on every rank); rank 0
+        returns the whole batch's advantages (None elsewhere) and the traced rows of every rank."""
+        self._shard(batch)
+        advantages, metrics, skipped = super().critic_phase(batch.rows(torch.tensor(self._rows)))
+        self._slowest(metrics)
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, (self._rows, advantages, metrics.pop("trace", None)))
+        if self.rank != 0:
+            return None, metrics, skipped
+        whole = torch.zeros(batch.size, advantages.shape[1])
+        traced: list[tuple[int, dict]] = []
+        for rows, part, trace in parts:
+            whole[torch.tensor(rows)] = part
+            if trace is not None:  # per name, one entry per traced row of that rank, in row order
+                traced += [(g, {k: v[i] for k, v in trace.items()})
+                           for i, g in enumerate(g for g in rows if g < batch.trace_rows)]
+        if traced:
+            traced.sort(key=lambda item: item[0])
+            metrics["trace"] = {k: [t[k] for _, t in traced] for k in traced[0][1]}
+        return whole, metrics, skipped
+
+    def critic_state(self) -> dict:
+        """The critic's counter and its AdamW state as one process keeps it (positions, whole tensors), on
+        rank 0 (a collective): a checkpoint moves between critic.ranks and placements."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        from sao.trainer.sharded_checkpoint import by_position
+
+        full = get_optimizer_state_dict(self.critic, self.critic_opt,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {"critic_version": self.critic_version,
+                "critic_opt": by_position(self.critic, self.critic_opt, full) if self.rank == 0 else None}
+
+    def load_critic_state(self, state: dict | None) -> None:
+        """`critic_state()`'s layout (or a one-process learner's), given to rank 0 (None elsewhere): each
+        AdamW tensor is broadcast whole in turn, of which every rank keeps its shard. A collective."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        from sao.trainer.sharded_checkpoint import by_name
+
+        box = [None if state is None else state["critic_version"]]
+        dist.broadcast_object_list(box, src=0)
+        self.critic_version = box[0]
+        full = by_name(self.critic, self.critic_opt, state["critic_opt"]) if state is not None else {}
+        set_optimizer_state_dict(self.critic, self.critic_opt, full, options=FROM_RANK0)
+
+    def save_critic(self, folder) -> None:
+        """The critic's whole weights gathered on rank 0 and saved there as an HF folder (a collective)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        full = get_model_state_dict(self.critic, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            model = self.rebuild_critic()
+            model.load_state_dict(full, strict=False, assign=True)
+            model.save_pretrained(folder)
+        dist.barrier()
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on the whole `batch` (the same on every rank); this rank trains its rows."""
+        self._shard(batch)
         if self.running_mean is not None:  # a stateful baseline: every rank replays the whole batch in order
             heads = batch.heads.nonzero().flatten().tolist()
             self._running_adv = per_row(torch.tensor(self.running_mean.advantages(
                 batch.scalar_rewards[heads].tolist(), [batch.prompt_keys[i] for i in heads])), batch)[self._rows]
         self._local = batch.rows(torch.tensor(self._rows))
         metrics = super().step(self._local)
-        timed = sorted(k for k in metrics if k.startswith("perf/") and k.endswith("_s"))
-        metrics.update(zip(timed, self.reduce.max_values([metrics[k] for k in timed])))  # the slowest rank
+        self._slowest(metrics)
         return metrics
 
     def _trace_rows(self, batch: Batch) -> list[int]:

@@ -439,6 +439,10 @@ class Learner:
         if self.critic_opt is not None and state["critic_opt"] is not None:
             self.critic_opt.load_state_dict(state["critic_opt"])
 
+    def save_critic(self, folder) -> None:
+        """The critic's HF folder (a critic rank's command, sao/trainer/critic_ranks.py)."""
+        self.critic.save_pretrained(folder)
+
     def state_dict(self) -> dict:
         """Everything a resume needs besides the weights (those travel as HF folders, `save_pretrained`).
         The same whatever critic.placement: a checkpoint resumes colocated or separate."""

@@ -6,6 +6,7 @@
                                  (a crash leaves the previous checkpoint whole)
     load_sharded(learner, dir)   reads them back into a learner of any rank count (1 -> 2, 2 -> 1):
                                  DCP reshards by fully qualified names, which FSDP2 leaves unchanged
+    by_name / by_position        a one-process AdamW state (keyed by position) to names and back
     load_one_process(learner, state)
                                  a one-rank run's checkpoint (`Learner.state_dict()`: plain AdamW states
                                  keyed by position, no shards) into N ranks (1 -> N): only rank 0 holds the
@@ -141,6 +142,15 @@ def by_name(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> 
                           f"trained parameters, this model {len(order)} (other model or LoRA settings than the run's)")
     return {"state": {order[i]: s for i, s in state["state"].items()},
             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def by_position(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> dict:
+    """The inverse of `by_name`: a name-keyed optimizer state (`get_optimizer_state_dict`, whole tensors)
+    as a one-process `opt.state_dict()` keyed by position, which any placement and rank count loads."""
+    names = {p: n for n, p in model.named_parameters()}
+    index = {names[p]: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    return {"state": {index[n]: s for n, s in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
 
 
 def load_one_process(learner, state: dict | None = None) -> None:
