@@ -253,7 +253,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--episodes", type=int, default=20)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "integrations.json"))
+    ap.add_argument("--only-agent", action="store_true", help=(
+        "the agent endpoint's per-call figures only (a copy of this file in an older checkout measures its endpoint)"))
     args = ap.parse_args()
+    if args.only_agent:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = build_tiny_model(Path(tmp) / "m", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+            codec = ChatCodec(load_tokenizer(model_dir))
+            agent = bench_agent(codec, args.episodes, Path(tmp), "chatty_agent")
+        a = agent["client_wall"]
+        print(f"agent call at the openai client: mean {a['mean_ms']:.2f} ms, p50 {a['p50_ms']:.2f} ms, "
+              f"p95 {a['p95_ms']:.2f} ms; inside the endpoint {agent['server_ms_mean']:.2f} ms")
+        Path(args.out).write_text(json.dumps({"agent_endpoint_per_call": agent}, indent=2))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "m", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
         codec = ChatCodec(load_tokenizer(model_dir))
