@@ -96,3 +96,21 @@ def value_loss(
         err = torch.maximum(err, (clipped - returns) ** 2)
     loss = 0.5 * token_mean_loss(err, action_mask, reduce)
     return loss, {"critic/value_loss": float(reduce.sum(loss.detach()))}
+
+
+def prompt_value_advantages(logits: torch.Tensor, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SPPO's sequence-level advantage (docs/algorithm.md §7): the critic's logit at each episode's last prompt
+    token is the prompt's value V(x) = sigmoid(logit), the chance the policy solves it; A = R - V(x), one
+    per episode, not normalised. Returns (A, V), each (E,)."""
+    value = torch.sigmoid(logits.detach().float())
+    return rewards.float() - value, value
+
+
+def prompt_value_loss(logits: torch.Tensor, rewards: torch.Tensor,
+                      reduce: Reducer = LOCAL) -> tuple[torch.Tensor, dict[str, float]]:
+    """SPPO's value loss: binary cross-entropy of sigmoid(logit) against the episode's reward R in [0, 1], the
+    mean over episodes (this rank's share of the global mean with a distributed `reduce`)."""
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), rewards.float(), reduction="sum")
+    n = reduce.sum(torch.tensor(float(rewards.numel()), device=logits.device)).clamp(min=1.0)
+    loss = bce / n
+    return loss, {"critic/value_loss": float(reduce.sum(loss.detach()))}

@@ -15,6 +15,7 @@ class Advantage(str, Enum):
     GAE = "gae"  # a critic: token-level skip-observation GAE (docs/algorithm.md §4)
     GROUP = "group"  # GRPO's group normalization over G rollouts of one prompt
     RUNNING_MEAN = "running_mean"  # reward minus a running mean of past rewards
+    PROMPT_VALUE = "prompt_value"  # SPPO: reward minus a critic's scalar value of the prompt, sigmoid(logit)
 
 
 class PolicyLoss(str, Enum):
@@ -38,6 +39,12 @@ class Algorithm:
 
     @property
     def uses_critic(self) -> bool:
+        return self.advantage in (Advantage.GAE, Advantage.PROMPT_VALUE)
+
+    @property
+    def whitens(self) -> bool:
+        """Advantages whitened over the batch when algo.whiten_advantages (token-level GAE only: a baseline
+        advantage and SPPO's R - V(x) are used as they are)."""
         return self.advantage is Advantage.GAE
 
     @property
@@ -84,6 +91,15 @@ register_algorithm(Algorithm("grpo", Advantage.GROUP, PolicyLoss.PPO, doc=(
 register_algorithm(Algorithm("grpo_dis", Advantage.GROUP, PolicyLoss.DIS, doc=(
     "GRPO+DIS (the SAO paper's strongest baseline): GRPO's group sampling and group advantage, with the "
     "DIS loss against the rollout policy (one update per batch, no pi_old pass)")))
+register_algorithm(Algorithm("sppo", Advantage.PROMPT_VALUE, PolicyLoss.PPO, freeze_attention=False, doc=(
+    "SPPO (Sequence-Level PPO, arXiv 2604.08865; its code: github.com/sustech-nlp/SPPO, "
+    "adv_estimator=sequence_level_adv): one rollout per prompt; the critic's output at the last prompt token "
+    "is a logit, V(x) = sigmoid(logit) the chance of solving the prompt; A = R - V(x) from the critic before "
+    "its updates, on every action token, not whitened; then critic.updates_per_step steps of binary "
+    "cross-entropy on (logit, R), R in [0, 1]; PPO clip against pi_old (algo.ppo_eps_low/high). Differs "
+    "from the paper's code: no dual clip (c=3), the critic is sao's (critic.depth of the actor's layers, "
+    "attention trained), K full-batch critic steps instead of its mini-batches, critic warm-up per "
+    "critic.warmup_steps (the paper's runs use 0), and algo.skip_uniform_rewards applies")))
 register_algorithm(Algorithm("running_mean", Advantage.RUNNING_MEAN, PolicyLoss.DIS, doc=(
     "running-mean baseline (paper §4.4/§4.5): one rollout; advantage = reward - mean of the last "
     "algo.running_mean_window rewards of the same prompt (keyed by the prompt's tokens) or of one global "

@@ -34,7 +34,7 @@ import torch
 from sao.algo.baselines import RunningMeanBaseline, group_advantages
 from sao.algo.core import LOCAL, explained_variance, masked_mean, masked_var, masked_whiten, stale_tokens, token_mean_loss
 from sao.algo.gae import episode_totals, length_adaptive_lambda, skip_observation_gae, step_level_gae, step_level_values
-from sao.algo.losses import dis_policy_loss, ppo_clip_loss, value_loss
+from sao.algo.losses import dis_policy_loss, ppo_clip_loss, prompt_value_advantages, prompt_value_loss, value_loss
 from sao.algo.registry import Advantage, Algorithm, PolicyLoss
 from sao.config import AlgoConfig, CriticConfig, TrainConfig
 from sao.device import autocast, to_device
@@ -129,8 +129,48 @@ class Learner:
             v = step_level_values(v, batch.action_mask, self.algo_cfg.step_value)
         return v
 
+    def _prompt_value_phase(self, batch: Batch, metrics: dict) -> torch.Tensor:
+        """SPPO (algo.name=sppo, docs/algorithm.md §7): each episode's value V(x) = sigmoid of the critic's
+        output at its last prompt token (it has seen the prompt only), A = R - V(x) on every action token
+        of the episode, from the critic before its K updates of binary cross-entropy against R."""
+        t = time.perf_counter()
+        device = batch.action_mask.device
+        heads = batch.heads.nonzero().flatten().to(device)  # an episode's first row holds its prompt
+        rewards = batch.scalar_rewards.to(device)[heads].float()
+        outside = ((rewards < 0) | (rewards > 1)).any().float()
+        if float(self.reduce.max(outside)) > 0:  # every rank takes the same branch
+            raise RunStopped(f"algo.name={self.algo.name}: a reward outside [0, 1] (e.g. "
+                             f"{float(rewards[(rewards < 0) | (rewards > 1)][0]) if outside else 'on another rank'}); "
+                             "its value is the chance of solving the prompt, trained by binary cross-entropy")
+        # V(s_t) at t is the head's output at t-1 (sao/models/critic.py): at the first action token it has
+        # read the whole prompt and nothing after it
+        last_prompt = batch.action_mask[heads].float().argmax(1)
+        logits = self._values(batch)[heads, last_prompt]
+        t = _lap(metrics, "perf/critic_forward_s", t)
+        episode_adv, value = prompt_value_advantages(logits, rewards)
+        ones = torch.ones_like(value)[:, None]
+        metrics["critic/explained_variance"] = explained_variance(value[:, None], rewards[:, None], ones, self.reduce)
+        if self.trace is not None:
+            self.trace.put("prompt_value", per_row(value.cpu(), batch))
+        for k in range(self.critic_updates):
+            if k > 0:
+                logits = self._values(batch)[heads, last_prompt]
+                t = _lap(metrics, "perf/critic_forward_s", t)
+            loss, m = prompt_value_loss(logits, rewards, self.reduce)
+            gn = self._apply(self.critic_opt, loss, self.critic_cfg.grad_clip)
+            self.critic_version += gn is not None
+            t = _lap(metrics, "perf/critic_backward_s", t)
+        metrics.update(m)
+        metrics["critic/grad_norm"] = float("nan") if gn is None else gn
+        metrics["critic/version"] = self.critic_version
+        metrics["critic/value_mean"] = float(self.reduce.mean(value))
+        metrics["critic/return_mean"] = float(self.reduce.mean(rewards))
+        return per_row(episode_adv.cpu(), batch).to(device)[:, None] * batch.action_mask
+
     def _critic_phase(self, batch: Batch, metrics: dict) -> torch.Tensor:
         """Steps 1-3: returns, K critic updates, then actor advantages from the updated critic."""
+        if self.algo.advantage is Advantage.PROMPT_VALUE:
+            return self._prompt_value_phase(batch, metrics)
         mask, cfg = batch.action_mask, self.algo_cfg
         t = time.perf_counter()
         # step 1: v0 is also the forward pass of the first critic update (the critic has not changed
@@ -304,7 +344,7 @@ class Learner:
         metrics["adv/std_raw"] = float(masked_var(advantages, mask, self.reduce).clamp(min=0).sqrt())
         if self.trace is not None:
             self.trace.put("adv_raw", advantages)
-        if self.algo_cfg.whiten_advantages and self.algo.uses_critic:
+        if self.algo_cfg.whiten_advantages and self.algo.whitens:
             if self.trace is not None:  # the statistics masked_whiten uses
                 self.trace.extra["whiten"] = {"mean": metrics["adv/mean_raw"],
                                               "std": max(metrics["adv/std_raw"], self.algo_cfg.whiten_min_std)}

@@ -25,6 +25,7 @@ observations included, so they align with `token_ids`); entries off the action m
     lambda               the row's lambda_policy (length-adaptive)
     whiten               {"mean", "std"}: the batch statistics whitening used (std after its floor)
     group, group_adv     GRPO-style algorithms: the row's group and its group-relative advantage
+    prompt_value         sppo: the episode's V(x) = sigmoid of the critic's output after the prompt (before its updates)
 
 Values are rounded to 6 significant digits: a trace is for reading, the tests recompute from it with
 that tolerance.
