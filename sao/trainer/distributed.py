@@ -228,9 +228,11 @@ class DistributedLearner(Learner):
 
         from sao.trainer.sharded_checkpoint import by_name
 
-        box = [None if state is None else state["critic_version"]]
+        box = [None if state is None else (state["critic_version"], state["critic_opt"] is not None)]
         dist.broadcast_object_list(box, src=0)
-        self.critic_version = box[0]
+        self.critic_version, has_optimizer = box[0]
+        if not has_optimizer:  # a state without the critic's AdamW moments: the counter only, as one process does
+            return
         full = by_name(self.critic, self.critic_opt, state["critic_opt"]) if state is not None else {}
         set_optimizer_state_dict(self.critic, self.critic_opt, full, options=FROM_RANK0)
 
