@@ -78,6 +78,17 @@ def separate_critic_ranks(model_dir: str, seed: int, lora: int = 0):
     return learner
 
 
+def critic_rank_one_fails(model_dir: str, seed: int, lora: int = 0):
+    """Critic rank 1 fails to build while rank 0 waits for it in a collective (as rank 0 does when it sends
+    the weights to the others)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("no weights here")
+    dist.barrier()
+    return separate_critic_ranks(model_dir, seed, lora)
+
+
 def _colocated(actor, model_dir, seed=0, lora=0):
     return Learner(actor, _critic(model_dir, seed, lora), get_algorithm("sao"), AlgoConfig(), CriticConfig(**CRITIC),
                    TrainConfig(lr=1e-3))
@@ -216,6 +227,14 @@ def test_a_dead_critic_rank_fails_the_step_in_one_line_naming_it(tiny, tiny_mode
         sep.step(batch)
     assert time.time() - t0 < 10 and not any(p.is_alive() for p in sep.critic_group.processes)
     sep.close()
+
+
+def test_a_critic_rank_that_fails_to_build_is_named_with_its_error(tiny_model_dir):
+    t0 = time.time()
+    with pytest.raises(RankFailed, match=r"critic rank 1's process \(pid \d+\) exited with code 1: "
+                                         r"ValueError: no weights here"):
+        start_critic_rank(critic_rank_one_fails, (str(tiny_model_dir), 0), ranks=2, timeout_s=60)
+    assert time.time() - t0 < 60
 
 
 @pytest.mark.slow

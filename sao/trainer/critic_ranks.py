@@ -158,9 +158,22 @@ class CriticGroup:
             p, code = self.processes[rank], self.processes[rank].exitcode
             label = "the critic's process" if len(self.processes) == 1 else f"critic rank {rank}'s process"
             who.append(f"{label} (pid {p.pid}) "
-                       f"{'exited with code ' + str(code) if code is not None else 'stopped answering'}")
+                       f"{'exited with code ' + str(code) if code is not None else 'stopped answering'}"
+                       f"{self._last_words(rank)}")
         self.close(abort=True)
         raise RankFailed(f"{name}: {', '.join(who)}")
+
+    def _last_words(self, rank: int) -> str:
+        """The error a dead rank sent before it exited (a critic that failed to build), as ": Type: message"."""
+        conn = self.conns[rank] if rank < len(self.conns) else None
+        try:
+            while conn is not None and conn.poll(0):
+                status, out = pickle.loads(conn.recv_bytes())
+                if status == "error":
+                    return f": {out[0]}"
+        except (EOFError, OSError, pickle.UnpicklingError):
+            pass
+        return ""
 
     def _call(self, name: str, *args, per_rank: list | None = None):
         if self.pending:  # a look-ahead batch is in flight: its answer comes first
