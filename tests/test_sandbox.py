@@ -834,7 +834,9 @@ def test_a_run_that_ended_while_the_event_loop_was_busy_is_judged_not_killed(mec
     """Before: the HumanEval eval (the engine's steps block the rollout loop) ended 60 of 123 episodes
     with `env_error: ProcessLookupError`: the exit and the wall timer were handled together, and the
     timeout path killed a process asyncio had already reaped."""
-    limits = Limits(cpu_s=1, wall_s=1, memory_mb=256, max_procs=8, max_file_mb=4)
+    # wall 2 s: the loop stays blocked past it (busy below), so exit and timer still arrive together; 1 s left
+    # too little for the sandbox's setup as an unprivileged user under CI's load ("exceeded (during setup)")
+    limits = Limits(cpu_s=1, wall_s=2, memory_mb=256, max_procs=8, max_file_mb=4)
 
     def running() -> dict[str, tuple[int, str]]:  # pid: (parent, name) of processes not exited
         table = {}
