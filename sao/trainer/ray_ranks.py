@@ -134,6 +134,7 @@ class RayRankDriver(RankDriver):
                 results[r] = ray.get(done[0])
             except RayActorError:
                 self.close(abort=True)
+                _drain(list(pending))
                 raise RankFailed(f"{name}: {self._who(r)} died") from None
             except RayTaskError as e:
                 error = error or e.cause
@@ -141,6 +142,7 @@ class RayRankDriver(RankDriver):
         if error is None and not pending:
             return results
         self.close(abort=True)
+        _drain(list(pending))
         if pending:
             hung = ", ".join(self._who(r) for r in sorted(pending.values()))
             raise RankFailed(f"{name}: {hung} did not answer (trainer.timeout_s={self.timeout_s:g} bounds a collective)")
@@ -164,6 +166,17 @@ class RayRankDriver(RankDriver):
         if self.group is not None:
             remove_placement_group(self.group)
         self.actors, self.followers, self.group = [], [], None
+
+
+def _drain(refs: list, timeout_s: float = 5.0) -> None:
+    """Fetch and drop the answers of ranks that were killed mid-call: an error Ray holds for a result
+    nobody fetched is printed with its traceback when the reference goes (after the run's one line)."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception:  # noqa: BLE001 - the rank's failure is already reported in one line
+            pass
 
 
 def start_ray_ranks(cfg: TrainerConfig, build: Callable, args: tuple, model_path=None) -> RayRankDriver:
