@@ -24,6 +24,27 @@ def group_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1
     return out
 
 
+def outcome_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """C-RF (crf_ntf, docs/algorithm.md §7): the outcome itself as the advantage, 2R - 1 for R in [0, 1]:
+    +1 for a solved task, -1 for a failed one, no baseline and no group.  (E,) -> (E,)"""
+    return 2.0 * rewards.float() - 1.0
+
+
+def negative_token_filter(advantages: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor,
+                          keep: float) -> torch.Tensor:
+    """Negative token filtering (crf_ntf): on a row whose advantage is negative only the ceil(keep * n) of its
+    n action tokens the rollout policy found least likely stay in the loss (ties: the earlier token); a
+    row with advantage >= 0 keeps every action token. The rest would be false penalties: tokens a failed
+    episode shares with successful ones are the likely ones.  (B, T) each -> (B, T) bool, the tokens kept."""
+    on = mask.bool()
+    negative = ((advantages < 0) & on).any(1, keepdim=True)
+    lp = torch.where(on, logprobs.float(), torch.inf)
+    order = torch.sort(lp, dim=1, stable=True).indices  # least likely first; a tie keeps position order
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(lp.shape[1], device=lp.device).expand_as(order).contiguous())
+    k = torch.ceil(on.sum(1, keepdim=True) * keep - 1e-9).clamp(min=1)
+    return torch.where(negative, on & (rank < k), on)
+
+
 class RunningMeanBaseline:
     """Advantage = reward - mean of the last N rewards (per prompt, or one global window).
 

@@ -16,6 +16,7 @@ class Advantage(str, Enum):
     GROUP = "group"  # GRPO's group normalization over G rollouts of one prompt
     RUNNING_MEAN = "running_mean"  # reward minus a running mean of past rewards
     PROMPT_VALUE = "prompt_value"  # SPPO: reward minus a critic's scalar value of the prompt, sigmoid(logit)
+    OUTCOME = "outcome"  # C-RF: the outcome as the advantage, 2R - 1 (no baseline, no critic, no group)
 
 
 class PolicyLoss(str, Enum):
@@ -31,6 +32,7 @@ class Algorithm:
     critic_updates: int | None = None  # override critic.updates_per_step (None: use config)
     freeze_attention: bool | None = None  # override critic.freeze_attention
     step_level: bool = False  # step-level GAE ablation (App. A.1): one value and one advantage per turn
+    negative_filter: bool = False  # negative token filtering: a failed episode's likely tokens leave the loss
     doc: str = ""
 
     def __post_init__(self) -> None:  # a typo in a registered algorithm fails here, not mid-run
@@ -100,6 +102,14 @@ register_algorithm(Algorithm("sppo", Advantage.PROMPT_VALUE, PolicyLoss.PPO, fre
     "from the paper's code: no dual clip (c=3), the critic is sao's (critic.depth of the actor's layers, "
     "attention trained), K full-batch critic steps instead of its mini-batches, critic warm-up per "
     "critic.warmup_steps (the paper's runs use 0), and algo.skip_uniform_rewards applies")))
+register_algorithm(Algorithm("crf_ntf", Advantage.OUTCOME, PolicyLoss.DIS, negative_filter=True, doc=(
+    "C-RF with negative token filtering (single rollout, critic-free; after 'Rethinking Groups in "
+    "Critic-Free RLVR', arXiv 2606.17250): one rollout per prompt, advantage 2R - 1 (R in [0, 1]; +1 solved, "
+    "-1 failed) on every action token, not whitened; on a failed episode's rows only the algo.ntf_keep share "
+    "of action tokens with the lowest rollout log-prob stay in the loss (the others are the likely false "
+    "penalties a group would have cancelled); DIS against the rollout policy like every sao arm. Read from "
+    "the abstract and a third-party reproduction (the paper's method section was not readable here): its "
+    "eps_high of 10 is sao's algo.eps_high (default 5), and its other batch-level advantage is not built")))
 register_algorithm(Algorithm("running_mean", Advantage.RUNNING_MEAN, PolicyLoss.DIS, doc=(
     "running-mean baseline (paper §4.4/§4.5): one rollout; advantage = reward - mean of the last "
     "algo.running_mean_window rewards of the same prompt (keyed by the prompt's tokens) or of one global "

@@ -282,13 +282,14 @@ class DistributedLearner(Learner):
         chunks = torch.randperm(self._global_size, generator=gen).chunk(self.algo_cfg.ppo_minibatches)
         return [torch.tensor([local[g] for g in c.tolist() if g in local], dtype=torch.long) for c in chunks]
 
-    def _update(self, batch: Batch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None):
+    def _update(self, batch: Batch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None, loss_mask: torch.Tensor):
         if batch.size == 0:  # no row of this minibatch here: join the collectives with a row of no action token
             row = self._local.rows(torch.tensor([0]))
             batch = to_device(dataclasses.replace(row, action_mask=torch.zeros_like(row.action_mask)), self.device)
             advantages = torch.zeros_like(batch.action_mask)
             old_logprobs = None if old_logprobs is None else torch.zeros_like(batch.action_mask)
-        return super()._update(batch, advantages, old_logprobs)
+            loss_mask = batch.action_mask
+        return super()._update(batch, advantages, old_logprobs, loss_mask)
 
     def export_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[torch.Tensor]]:
         """Full actor weights for the engines, in `engine_parameters` order, `bucket_bytes` at a time.

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from sao.algo.baselines import RunningMeanBaseline, group_advantages
+from sao.algo.baselines import RunningMeanBaseline, group_advantages, negative_token_filter, outcome_advantages
 from sao.algo.core import LOCAL, explained_variance, masked_mean, masked_var, masked_whiten, stale_tokens, token_mean_loss
 from sao.algo.gae import episode_totals, length_adaptive_lambda, skip_observation_gae, step_level_gae, step_level_values
 from sao.algo.losses import dis_policy_loss, ppo_clip_loss, prompt_value_advantages, prompt_value_loss, value_loss
@@ -137,11 +137,7 @@ class Learner:
         device = batch.action_mask.device
         heads = batch.heads.nonzero().flatten().to(device)  # an episode's first row holds its prompt
         rewards = batch.scalar_rewards.to(device)[heads].float()
-        outside = ((rewards < 0) | (rewards > 1)).any().float()
-        if float(self.reduce.max(outside)) > 0:  # every rank takes the same branch
-            raise RunStopped(f"algo.name={self.algo.name}: a reward outside [0, 1] (e.g. "
-                             f"{float(rewards[(rewards < 0) | (rewards > 1)][0]) if outside else 'on another rank'}); "
-                             "its value is the chance of solving the prompt, trained by binary cross-entropy")
+        self._rewards_in_unit(rewards, "its value is the chance of solving the prompt, trained by binary cross-entropy")
         # V(s_t) at t is the head's output at t-1 (sao/models/critic.py): at the first action token it has
         # read the whole prompt and nothing after it
         last_prompt = batch.action_mask[heads].float().argmax(1)
@@ -166,6 +162,14 @@ class Learner:
         metrics["critic/value_mean"] = float(self.reduce.mean(value))
         metrics["critic/return_mean"] = float(self.reduce.mean(rewards))
         return per_row(episode_adv.cpu(), batch).to(device)[:, None] * batch.action_mask
+
+    def _rewards_in_unit(self, rewards: torch.Tensor, why: str) -> None:
+        """Stop the run on a reward outside [0, 1] (on any rank: every rank takes the same branch)."""
+        outside = ((rewards < 0) | (rewards > 1)).any().float()
+        if float(self.reduce.max(outside)) > 0:
+            raise RunStopped(f"algo.name={self.algo.name}: a reward outside [0, 1] (e.g. "
+                             f"{float(rewards[(rewards < 0) | (rewards > 1)][0]) if outside else 'on another rank'}); "
+                             f"{why}")
 
     def _critic_phase(self, batch: Batch, metrics: dict) -> torch.Tensor:
         """Steps 1-3: returns, K critic updates, then actor advantages from the updated critic."""
@@ -256,6 +260,10 @@ class Learner:
             if self.trace is not None:
                 self.trace.put_rows("group", [batch.group_ids[i] for i in self.trace.local])
                 self.trace.put("group_adv", adv)
+        elif self.algo.advantage is Advantage.OUTCOME:
+            rewards = batch.scalar_rewards[heads].float()
+            self._rewards_in_unit(rewards, "C-RF's advantage 2R - 1 is +1 for a solved task and -1 for a failed one")
+            adv = per_row(outcome_advantages(rewards), batch)
         else:  # keyed by the prompt's content: a per-draw id would never fill its window
             adv = per_row(torch.tensor(self.running_mean.advantages(batch.scalar_rewards[heads].tolist(),
                                                                     [batch.prompt_keys[i] for i in heads])), batch)
@@ -355,6 +363,14 @@ class Learner:
             advantages = torch.where(stale, 0.0, advantages)  # no gradient; still in the token-mean denominator
             if self.trace is not None:
                 self.trace.put("stale", stale.float())
+        loss_mask = mask
+        if self.algo.negative_filter:  # a failed episode's likely tokens leave the loss (and its denominator)
+            kept = negative_token_filter(advantages, batch.behavior_logprobs, mask, self.algo_cfg.ntf_keep)
+            loss_mask = mask * kept
+            metrics["ntf/filtered_token_frac"] = float(1.0 - self.reduce.sum(loss_mask.sum())
+                                                       / self.reduce.sum(mask.sum()).clamp(min=1.0))
+            if self.trace is not None:
+                self.trace.put("ntf_kept", kept.float())
         if self.trace is not None:
             self.trace.put("adv", advantages)
         warmup = self.in_warmup
@@ -365,7 +381,7 @@ class Learner:
         if not warmup and not uniform:  # step 4
             self._pass_boundary()
             t = time.perf_counter()
-            metrics.update(self._actor_step(batch, advantages))
+            metrics.update(self._actor_step(batch, advantages, loss_mask))
             _lap(metrics, "perf/actor_s", t)  # forward + backward + optimizer step
         self.steps_done += 1
         self._guard(metrics)
@@ -385,11 +401,13 @@ class Learner:
         r = batch.scalar_rewards.float()
         return float(self.reduce.max(r.max()) + self.reduce.max(-r.min())) == 0.0
 
-    def _actor_step(self, batch: Batch, advantages: torch.Tensor) -> dict[str, float]:
+    def _actor_step(self, batch: Batch, advantages: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
+        """The actor's update(s) on `batch`; the loss is over `loss_mask`'s tokens (the action tokens, less
+        any crf_ntf filtered)."""
         cfg = self.algo_cfg
         self.actor.train()  # an engine sharing this model (evaluation, sync mode) switches it to eval()
         if self.algo.policy_loss is PolicyLoss.DIS:  # one update; the ratio is against the rollout policy
-            metrics = self._update(batch, advantages, None)
+            metrics = self._update(batch, advantages, None, loss_mask)
         else:
             with torch.no_grad():  # pi_old, once per batch: the extra forward pass DIS avoids
                 old_logprobs, _ = actor_logprobs(self.actor, self._packed(batch))
@@ -400,7 +418,7 @@ class Learner:
             rows = []
             for _ in range(cfg.ppo_epochs):
                 for idx in self._minibatches(batch, gen):
-                    rows.append(self._update(batch.rows(idx), advantages[idx], old_logprobs[idx]))
+                    rows.append(self._update(batch.rows(idx), advantages[idx], old_logprobs[idx], loss_mask[idx]))
             metrics = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
             metrics["ppo/clipfrac_max"] = max(r["ppo/clipfrac"] for r in rows)
             metrics["ppo/updates"] = float(len(rows))
@@ -425,23 +443,25 @@ class Learner:
         diff = self.reduce.max(torch.where(on, (logprobs.float() - batch.behavior_logprobs.float()).abs(), 0.0).max())
         return {"parity/live_max_abs_diff": float(diff), "parity/live_tokens": float(n)}
 
-    def _update(self, batch: Batch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None) -> dict[str, float]:
-        """One actor optimizer step on `batch`: DIS (old_logprobs None) or PPO clip against pi_old."""
+    def _update(self, batch: Batch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
+                loss_mask: torch.Tensor) -> dict[str, float]:
+        """One actor optimizer step on `batch`: DIS (old_logprobs None) or PPO clip against pi_old, the loss
+        a token mean over `loss_mask`."""
         mask, cfg = batch.action_mask, self.algo_cfg
         logprobs, entropy = actor_logprobs(self.actor, self._packed(batch), entropy_grad=cfg.entropy_coef > 0)
         if old_logprobs is None:
-            loss, metrics = dis_policy_loss(logprobs, batch.behavior_logprobs, advantages, mask,
+            loss, metrics = dis_policy_loss(logprobs, batch.behavior_logprobs, advantages, loss_mask,
                                             cfg.eps_low, cfg.eps_high, self.reduce)
             if self.trace is not None and batch is self.trace.batch:  # the one DIS update, on the whole batch
                 self.trace.put_policy(logprobs, (cfg.eps_low, cfg.eps_high))
             metrics.update(self._live_parity(logprobs.detach(), batch))
         else:
-            loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, mask, cfg.ppo_eps_low, cfg.ppo_eps_high,
+            loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, loss_mask, cfg.ppo_eps_low, cfg.ppo_eps_high,
                                           self.reduce)
             rollout_ratio = torch.exp(torch.where(mask.bool(), logprobs.detach() - batch.behavior_logprobs, 0.0))
             metrics["dis/ratio_mean"] = float(masked_mean(rollout_ratio, mask, self.reduce))
         if cfg.entropy_coef > 0:  # off by default: the paper uses no entropy bonus
-            loss = loss - cfg.entropy_coef * token_mean_loss(entropy, mask, self.reduce)
+            loss = loss - cfg.entropy_coef * token_mean_loss(entropy, loss_mask, self.reduce)
         entropy = masked_mean(entropy.detach(), mask, self.reduce)  # the metric
         gn = self._apply(self.actor_opt, loss, self.train_cfg.grad_clip)
         metrics["actor/entropy"] = float(entropy.detach())

@@ -22,6 +22,7 @@ observations included, so they align with `token_ids`); entries off the action m
     adv_raw, adv         the advantage before and after whitening (critic-free: the trajectory's
                          baseline advantage on every action token); 0 on stale tokens
     stale                1 on tokens older than algo.max_token_lag versions (no gradient), when set
+    ntf_kept             crf_ntf: 1 on the tokens in the loss, 0 on a failed episode's filtered tokens
     lambda               the row's lambda_policy (length-adaptive)
     whiten               {"mean", "std"}: the batch statistics whitening used (std after its floor)
     group, group_adv     GRPO-style algorithms: the row's group and its group-relative advantage
@@ -97,7 +98,7 @@ class StepTrace:
             rec = {"row": g, "actor": actor, **self.extra}
             rec.update({name: rows[k] for name, rows in self.scalars.items()})
             rec.update({name: rows[k] for name, rows in self.tokens.items()})
-            for name in ("version", "dis", "stale"):
+            for name in ("version", "dis", "stale", "ntf_kept"):
                 if name in rec:
                     rec[name] = [None if v is None else int(v) for v in rec[name]]
             out.append(rec)
