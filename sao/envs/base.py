@@ -138,10 +138,29 @@ def resolve_environment(name: str) -> type:
     raise ValueError(f"env.name: unknown environment {name!r} (known: {known}; or give module:Class)")
 
 
+def _keys_named(exc: ValueError) -> set[str]:
+    """The option an error of make_environment names (env.options.KEY...: ...)."""
+    head = str(exc).split(":", 1)[0]
+    return {head.removeprefix("env.options.").split(".")[0].split("[")[0]} if head.startswith("env.options.") else set()
+
+
 def make_environment(name: str, options: dict[str, Any], seed: int):
     """Instantiate an environment with validated options; errors name the bad `env.options` key."""
     from pydantic import ValidationError
 
+    if "curriculum" in options:  # env.options over training steps: one environment per stage (sao/envs/curriculum.py)
+        from sao.envs.curriculum import Curriculum, parse_stages
+
+        base, stages = parse_stages(options)
+        environments = []
+        for i, (_, over) in enumerate(stages):
+            try:
+                environments.append(make_environment(name, {**base, **over}, seed))
+            except ValueError as exc:
+                where = f"env.options.curriculum[{i}]."
+                raise ValueError(str(exc).replace("env.options.", where, 1) if over.keys() & _keys_named(exc)
+                                 else str(exc)) from None
+        return Curriculum(environments, [s for s, _ in stages])
     cls = resolve_environment(name)
     options_model = getattr(cls, "Options", EnvOptions)
     try:

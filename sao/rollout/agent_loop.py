@@ -123,7 +123,7 @@ async def run_episodes(engine: Engine, environment, codec: ChatCodec, tasks: lis
     """Every task once, concurrently, on one engine in this process (sync mode, evaluation, the parity
     gate); `context()` is each episode's `EpisodeContext`. The engine is closed at the end."""
     try:
-        return await asyncio.gather(*(run_episode(open_episode(environment, context()), task, engine, codec, params,
+        return await asyncio.gather(*(run_episode(open_episode(environment, context(), task), task, engine, codec, params,
                                                   limits) for task in tasks))
     finally:
         await engine.close()

@@ -4,7 +4,8 @@
                                    both under `timeout`; a step that never returns holds only its own
                                    thread (counted by `hung_steps()`), so later episodes keep their capacity
     close_env(env, timeout)        an env's `close()` (plain or async), once, its errors ignored
-    open_episode(environment, ctx) `environment.new_episode(ctx)`; an exception there ends only that episode
+    open_episode(environment, ctx, task)  `environment.new_episode(ctx)` (of the task's own stage for a
+                                   curriculum, sao/envs/curriculum.py); an exception there ends only that episode
 """
 
 from __future__ import annotations
@@ -88,10 +89,14 @@ class _Unopened:
         raise self.error
 
 
-def open_episode(environment, ctx) -> Env:
+def open_episode(environment, ctx, task: Task | None = None) -> Env:
     """`environment.new_episode(ctx)`; an exception there ends only that episode, as in reset and step
-    (outside the episode it killed the slot that called it, and the episode was never finished)."""
+    (outside the episode it killed the slot that called it, and the episode was never finished). An
+    environment with `environment_for(task)` (a curriculum) opens the episode on the one the task came from."""
     try:
+        staged = getattr(environment, "environment_for", None)
+        if staged is not None and task is not None:
+            environment = staged(task)
         return environment.new_episode(ctx)
     except Exception as exc:
         return _Unopened(exc)

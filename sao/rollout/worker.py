@@ -38,7 +38,7 @@ async def run_rollout_worker(
             if item is STOP:
                 return
             ctx = EpisodeContext(policy_version=engine.version, trainer_step=item.trainer_step)
-            traj = await run_episode(open_episode(environment, ctx), item.task, engine, codec, params, limits,
+            traj = await run_episode(open_episode(environment, ctx, item.task), item.task, engine, codec, params, limits,
                                      traj_id=item.id)
             done[0] += 1
             emit(traj)

@@ -33,6 +33,8 @@ def grouped(tasks: Iterator[Task], group_size: int) -> Iterator[Task]:
 
 def task_stream(environment, algo, cfg) -> Iterator[Task]:
     """The training tasks as the runtime should issue them for `algo`."""
+    if hasattr(environment, "tasks_per_step"):  # a curriculum: its stage follows the draws of each step
+        environment.tasks_per_step = cfg.train.batch_size // (cfg.algo.group_size if algo.grouped else 1)
     tasks = environment.train_tasks()
     return grouped(tasks, cfg.algo.group_size) if algo.grouped else tasks
 
