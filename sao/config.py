@@ -128,6 +128,8 @@ class AlgoConfig(Section):
         "sao_step_gae: a turn's value is that of the state it starts from (state), the mean over its action "
         "tokens (mean), or the value before its last action token (last: has seen the action; no signal)"))
     running_mean_window: int = Field(8, ge=1, description="rewards averaged by the running-mean baseline")
+    pact_weight_clip: float = Field(2.0, gt=0, description=(
+        "pact: the critic's per-token importance weight pi_new / pi_rollout is clipped to at most this"))
     ntf_keep: float = Field(0.1, gt=0, le=1, description=(
         "crf_ntf: the share of a failed episode's action tokens (per row, those with the lowest rollout "
         "log-prob) that keep their negative advantage in the loss; the rest are filtered out"))

@@ -88,12 +88,16 @@ def value_loss(
     old_values: torch.Tensor | None = None,
     clip: float | None = None,
     reduce: Reducer = LOCAL,
+    weights: torch.Tensor | None = None,  # (B, T) per-token weights, no grad (pact's importance weights)
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-mean MSE (V - R)^2 over action tokens (docs/algorithm.md §5); optional PPO-style value clipping."""
+    """Token-mean MSE (V - R)^2 over action tokens (docs/algorithm.md §5); optional PPO-style value clipping;
+    optional per-token weights (the token-mean's denominator stays the count of action tokens)."""
     err = (values - returns) ** 2
     if clip is not None and old_values is not None:
         clipped = old_values + (values - old_values).clamp(-clip, clip)
         err = torch.maximum(err, (clipped - returns) ** 2)
+    if weights is not None:
+        err = err * weights.detach()
     loss = 0.5 * token_mean_loss(err, action_mask, reduce)
     return loss, {"critic/value_loss": float(reduce.sum(loss.detach()))}
 

@@ -33,6 +33,7 @@ class Algorithm:
     freeze_attention: bool | None = None  # override critic.freeze_attention
     step_level: bool = False  # step-level GAE ablation (App. A.1): one value and one advantage per turn
     negative_filter: bool = False  # negative token filtering: a failed episode's likely tokens leave the loss
+    actor_first: bool = False  # advantages from the critic before its updates; the critic updates after the actor
     doc: str = ""
 
     def __post_init__(self) -> None:  # a typo in a registered algorithm fails here, not mid-run
@@ -102,6 +103,13 @@ register_algorithm(Algorithm("sppo", Advantage.PROMPT_VALUE, PolicyLoss.PPO, fre
     "from the paper's code: no dual clip (c=3), the critic is sao's (critic.depth of the actor's layers, "
     "attention trained), K full-batch critic steps instead of its mini-batches, critic warm-up per "
     "critic.warmup_steps (the paper's runs use 0), and algo.skip_uniform_rewards applies")))
+register_algorithm(Algorithm("pact", Advantage.GAE, PolicyLoss.DIS, actor_first=True, doc=(
+    "actor first, then an importance-corrected critic (after PACT, arXiv 2609.26355, whose text was not "
+    "found: built from its one-line description): advantages from skip-observation GAE on the critic's values "
+    "before any update on this batch (v0; SAO uses v2, after its K updates), the actor's DIS step, then K "
+    "critic steps whose per-token squared errors are weighted by min(pi_new / pi_rollout, algo.pact_weight_clip), "
+    "pi_new the actor after its step: the returns were sampled by the rollout policy, the critic should value "
+    "the policy being trained. Needs critic.placement=colocated (its critic waits for the actor)")))
 register_algorithm(Algorithm("crf_ntf", Advantage.OUTCOME, PolicyLoss.DIS, negative_filter=True, doc=(
     "C-RF with negative token filtering (single rollout, critic-free; after 'Rethinking Groups in "
     "Critic-Free RLVR', arXiv 2606.17250): one rollout per prompt, advantage 2R - 1 (R in [0, 1]; +1 solved, "

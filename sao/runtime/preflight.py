@@ -94,6 +94,9 @@ def check_ranks(cfg: Config, resume: Path | None = None) -> None:
         if cfg.train.batch_size < m:
             raise ConfigError(f"critic.ranks: {m} ranks need at least {m} trajectories per batch; train.batch_size="
                               f"{cfg.train.batch_size}")
+    if cfg.critic.placement == "separate" and algo.actor_first:
+        raise ConfigError(f"critic.placement: algo.name={algo.name} updates the critic after the actor (its importance "
+                          "weights need the updated actor), so it cannot run ahead; use critic.placement=colocated")
     if cfg.critic.placement == "separate" and algo.uses_critic:
         if n > 1:
             raise ConfigError(f"critic.placement: separate runs the critic as one process beside one trainer rank "

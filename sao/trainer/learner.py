@@ -95,6 +95,7 @@ class Learner:
         # is doing (sao/runtime/threads.py); it only reads a counter, never receives. None in sync mode
         self.before_pass: Callable[[], None] | None = None
         self.trace: StepTrace | None = None  # this step's per-token record, when the batch asks (trace_rows)
+        self._after_actor: tuple[torch.Tensor, torch.Tensor] | None = None  # pact: (v0, returns) for the critic
         if algo.uses_critic and critic_group is None:
             if critic is None:
                 raise ValueError(f"algo.name={algo.name} needs a critic")
@@ -175,6 +176,8 @@ class Learner:
         """Steps 1-3: returns, K critic updates, then actor advantages from the updated critic."""
         if self.algo.advantage is Advantage.PROMPT_VALUE:
             return self._prompt_value_phase(batch, metrics)
+        if self.algo.actor_first:
+            return self._actor_first_advantages(batch, metrics)
         mask, cfg = batch.action_mask, self.algo_cfg
         t = time.perf_counter()
         # step 1: v0 is also the forward pass of the first critic update (the critic has not changed
@@ -217,6 +220,55 @@ class Learner:
         metrics["critic/return_mean"] = float(masked_mean(returns, mask, self.reduce))
         metrics["critic/lambda_policy_mean"] = float(self.reduce.mean(lam))
         return advantages
+
+    def _actor_first_advantages(self, batch: Batch, metrics: dict) -> torch.Tensor:
+        """pact (docs/algorithm.md §7): advantages from GAE on v0, the critic before any update on this batch;
+        its updates wait for the actor's step (`_importance_corrected_critic`)."""
+        mask, cfg = batch.action_mask, self.algo_cfg
+        t = time.perf_counter()
+        with torch.no_grad():
+            v0 = self._values(batch).detach()
+        t = _lap(metrics, "perf/critic_forward_s", t)
+        _, returns = skip_observation_gae(batch.rewards, v0, mask, cfg.gamma, 1.0, batch.episodes)
+        lam = length_adaptive_lambda(episode_totals(batch.num_action_tokens, batch.episodes), cfg.lam_alpha)
+        advantages, _ = skip_observation_gae(batch.rewards, v0, mask, cfg.gamma, lam, batch.episodes)
+        _lap(metrics, "perf/gae_s", t)
+        metrics["critic/explained_variance"] = explained_variance(v0, returns, mask, self.reduce)
+        metrics["critic/value_mean"] = float(masked_mean(v0, mask, self.reduce))
+        metrics["critic/return_mean"] = float(masked_mean(returns, mask, self.reduce))
+        metrics["critic/lambda_policy_mean"] = float(self.reduce.mean(lam))
+        if self.trace is not None:
+            self.trace.put("v_before", v0)
+            self.trace.put("return", returns)
+            self.trace.put("lambda", lam)
+        self._after_actor = (v0, returns)
+        return advantages
+
+    def _importance_corrected_critic(self, batch: Batch, v0: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
+        """pact, after the actor's step: K critic steps on the squared errors weighted per token by
+        min(pi_new / pi_rollout, algo.pact_weight_clip), pi_new the actor as it is now."""
+        mask, metrics = batch.action_mask, {}
+        t = time.perf_counter()
+        with torch.no_grad():
+            logprobs, _ = actor_logprobs(self.actor, self._packed(batch))
+            ratio = torch.exp(torch.where(mask.bool(), logprobs.float() - batch.behavior_logprobs.float(), 0.0))
+            weights = ratio.clamp(max=self.algo_cfg.pact_weight_clip) * mask
+        metrics["critic/is_weight_mean"] = float(masked_mean(weights, mask, self.reduce))
+        t = _lap(metrics, "perf/critic_forward_s", t)
+        gn = None
+        for _ in range(self.critic_updates):
+            v = self._values(batch)
+            loss, m = value_loss(v, returns, mask, old_values=v0, clip=self.critic_cfg.value_clip, reduce=self.reduce,
+                                 weights=weights)
+            gn = self._apply(self.critic_opt, loss, self.critic_cfg.grad_clip)
+            self.critic_version += gn is not None
+            t = _lap(metrics, "perf/critic_backward_s", t)
+        metrics.update(m)
+        metrics["critic/grad_norm"] = float("nan") if gn is None else gn
+        metrics["critic/version"] = self.critic_version
+        if self.trace is not None:
+            self.trace.put("critic_weight", weights)
+        return metrics
 
     def critic_phase(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float], int]:
         """Steps 1-3 alone, on a critic rank: (advantages before whitening (B, T) on the CPU, the critic's
@@ -383,6 +435,9 @@ class Learner:
             t = time.perf_counter()
             metrics.update(self._actor_step(batch, advantages, loss_mask))
             _lap(metrics, "perf/actor_s", t)  # forward + backward + optimizer step
+        if self._after_actor is not None:  # pact: the critic's updates follow the actor's
+            metrics.update(self._importance_corrected_critic(batch, *self._after_actor))
+            self._after_actor = None
         self.steps_done += 1
         self._guard(metrics)
         if self.trace is not None:

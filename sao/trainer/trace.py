@@ -22,6 +22,7 @@ observations included, so they align with `token_ids`); entries off the action m
     adv_raw, adv         the advantage before and after whitening (critic-free: the trajectory's
                          baseline advantage on every action token); 0 on stale tokens
     stale                1 on tokens older than algo.max_token_lag versions (no gradient), when set
+    critic_weight        pact: the critic's per-token importance weight min(pi_new / pi_rollout, clip)
     ntf_kept             crf_ntf: 1 on the tokens in the loss, 0 on a failed episode's filtered tokens
     lambda               the row's lambda_policy (length-adaptive)
     whiten               {"mean", "std"}: the batch statistics whitening used (std after its floor)
