@@ -134,3 +134,37 @@ def test_sao_train_sppo_with_a_separate_critic(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["critic/version"] == 8
     assert all("ppo/clipfrac" in r for r in rows[1:])  # after the one warm-up step the actor steps with PPO
     audit_of(tmp_path / "runs" / "s")
+
+
+def test_value_pretraining_fits_the_prompt_value_as_sppo_trains_it(tiny, tiny_model_dir):
+    """`sao pretrain-critic algo.name=sppo` (fit_critic, prompt_value=True): one AdamW step of the cross-entropy of
+    the head's output after each prompt against the reward, the same loss the SPPO learner takes."""
+    from sao.trainer.critic_pretrain import fit_critic
+
+    _, codec = tiny
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    batch, prompt_lens = _batch(codec, rewards)
+    torch.manual_seed(0)
+    critic = build_critic(tiny_model_dir)
+    hand = copy.deepcopy(critic)
+    history = fit_critic(critic, lambda: batch, 1, 1e-2, 10.0, 0.0, 1.0, prompt_value=True)
+    rows, first = torch.arange(batch.size), torch.tensor(prompt_lens)
+    logits = hand(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[..., 0].float()[rows, first - 1]
+    loss, _ = prompt_value_loss(logits, torch.tensor(rewards))
+    assert history[0]["critic/value_loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    opt = torch.optim.AdamW(hand.parameters(), lr=1e-2, weight_decay=0.0, betas=(0.9, 0.99))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(hand.parameters()), 10.0)
+    opt.step()
+    off = max(float((a - b).detach().abs().max()) for a, b in zip(critic.parameters(), hand.parameters()))
+    assert off <= 5e-3 * 1e-2  # Adam near eps, as above
+
+
+def test_pretrain_critic_refuses_an_algorithm_without_a_critic(tmp_path):
+    from conftest import TINY
+
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "pretrain-critic", *TINY, "algo.name=crf_ntf", "--steps", "2",
+                           "--out", "c"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "sao: error: algo.name: crf_ntf trains no critic; there is nothing to pretrain"
+    assert not (tmp_path / "c").exists()

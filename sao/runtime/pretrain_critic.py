@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sao.algo.registry import Advantage, get_algorithm
 from sao.config import Config, ConfigError
 from sao.engine import make_engine
 from sao.models.chat import ChatCodec
@@ -28,6 +29,9 @@ def pretrain_critic(cfg: Config, steps: int, out: Path, progress=None, environme
     runs here."""
     if out.exists():
         raise ConfigError(f"--out: {str(out)!r} exists already; choose another folder")
+    algo = get_algorithm(cfg.algo.name)
+    if not algo.uses_critic:
+        raise ConfigError(f"algo.name: {algo.name} trains no critic; there is nothing to pretrain")
     environment = environment if environment is not None else preflight(cfg)
     model_path, _ = prepare_base_model(cfg, on_step=progress.sft_callback(cfg.sft.steps) if progress else None)
     codec = ChatCodec(load_tokenizer(model_path))
@@ -37,7 +41,7 @@ def pretrain_critic(cfg: Config, steps: int, out: Path, progress=None, environme
     depth = {"num_layers": cfg.critic.num_layers, "depth": cfg.critic.depth}
     critic = load_critic(cfg.critic.path, **depth) if cfg.critic.path else build_critic(model_path, **depth)
     critic = with_lora(critic, cfg.critic.lora, value_head=True)
-    if cfg.critic.freeze_attention:
+    if cfg.critic.freeze_attention if algo.freeze_attention is None else algo.freeze_attention:  # as the run will
         freeze_parameters(critic, cfg.critic.freeze_pattern)
     engine = make_engine(cfg.engine.model_copy(update={"name": "torch"}), model_path, pad_id=codec.tokenizer.pad_token_id,
                          max_batch=cfg.rollout.concurrency, seed=cfg.train.seed, model=actor)
@@ -57,7 +61,7 @@ def pretrain_critic(cfg: Config, steps: int, out: Path, progress=None, environme
                          f"explained variance {m['critic/explained_variance']:.3f}")
 
     history = fit_critic(critic, next_batch, steps, cfg.critic.lr, cfg.critic.grad_clip, cfg.train.weight_decay,
-                         cfg.algo.gamma, on_step)
+                         cfg.algo.gamma, on_step, prompt_value=algo.advantage is Advantage.PROMPT_VALUE)
     tmp = out.with_name(out.name + ".partial")
     critic.save_pretrained(tmp)
     codec.tokenizer.save_pretrained(tmp)

@@ -1,0 +1,87 @@
+"""How often the starting policy wins TextWorld quests of each length before any RL (issue: a long-horizon setting
+the small policy sometimes wins), and which settings move that.
+
+    python benchmarks/horizon_start.py [--lengths 2 5 10] [--games 128] [--setting listed24] [--out FILE]
+
+Per length: the SFT warm start `sao train` would build for the `sao bench horizon` variant of that length
+(the same worlds, observation and SFT settings as sao/bench/experiments/horizon.yaml), then the win rate on
+`--games` held-out games (sampled at temperature 1, as the bench's evaluations) with a 95% bootstrap interval
+over games. Settings:
+  preset      the horizon preset as committed: 9 numbered commands, a turn budget of quest_length + 2
+  listed24    every admissible command numbered (max_commands=24: at 5 and 10 commands 12% and 20% of the
+              walkthrough steps were beyond the 9 listed, so most games could not be won by number) and a
+              turn budget of twice the shortest solution
+Writes `--out` (JSON) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["env.name=textworld", "env.options.rewards=sparse", "env.options.num_train_games=128",
+          "env.options.observation_chars=120", "env.options.max_items=4", "env.options.commands=numbered",
+          "rollout.max_action_tokens=8", "sft.batch_size=16", "train.seed=0"]
+WORLDS = {2: ["env.options.world_size=2", "env.options.nb_objects=3", "sft.steps=300"],
+          5: ["env.options.world_size=4", "env.options.nb_objects=6", "sft.steps=300", "sft.batch_size=8"],
+          10: ["env.options.world_size=6", "env.options.nb_objects=10", "sft.steps=100", "sft.batch_size=8"]}
+CONTEXT = {2: 1280, 5: 2304, 10: 4096}  # the preset's episode and model lengths at quest_length + 2 turns
+
+
+def setting_overrides(setting: str, q: int) -> list[str]:
+    if setting == "preset":
+        turns, tokens, extra = q + 2, CONTEXT[q], []
+    elif setting == "listed24":
+        turns, extra = 2 * q, ["env.options.max_commands=24"]
+        tokens = {2: 1280, 5: 3584, 10: 7168}[q]  # the longer budget's episodes (the commands list is longer too)
+    else:
+        raise SystemExit(f"--setting: unknown {setting!r} (preset, listed24)")
+    return [*COMMON, *WORLDS[q], f"env.options.quest_length={q}", f"rollout.max_turns={turns}",
+            f"rollout.max_episode_tokens={tokens}", f"model.max_positions={tokens}", *extra]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2, 5, 10])
+    ap.add_argument("--games", type=int, default=128)
+    ap.add_argument("--setting", default="listed24")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from sao.api import as_config, evaluate
+    from sao.bench.analysis import bootstrap
+    from sao.models.quiet import quiet_transformers
+    from sao.runtime.model_setup import prepare_base_model
+
+    quiet_transformers()
+    rows = []
+    for q in args.lengths:
+        overrides = [*setting_overrides(args.setting, q), f"env.options.num_heldout_games={args.games}",
+                     f"eval.num_tasks={args.games}"]
+        cfg = as_config(None, overrides)
+        t0 = time.perf_counter()
+        model, _ = prepare_base_model(cfg)
+        sft_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        res = evaluate(model, *overrides, threads=2)
+        wins = round(res["accuracy"] * res["n"])
+        games = [1.0] * wins + [0.0] * (res["n"] - wins)
+        mean, lo, hi = bootstrap([games])
+        rows.append({"quest_length": q, "setting": args.setting, "games": res["n"], "wins": wins, "win_rate": mean,
+                     "ci95": [lo, hi], "statuses": res["statuses"], "sft_s": round(sft_s, 1),
+                     "eval_s": round(time.perf_counter() - t0, 1), "overrides": overrides,
+                     "invalid_commands_mean": res.get("invalid_commands")})
+        print(f"q{q} {args.setting}: {wins}/{res['n']} won = {mean:.3f} [{lo:.3f}, {hi:.3f}]", flush=True)
+    print("\n| length | setting | held-out games | won | win rate [95% interval] |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['quest_length']} | {r['setting']} | {r['games']} | {r['wins']} | {r['win_rate']:.3f} "
+              f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
