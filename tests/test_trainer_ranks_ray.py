@@ -216,3 +216,27 @@ def test_tensors_travel_from_rank_0_as_numpy_bytes_and_come_back_equal():
         back = Packed(t).tensor()
         assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
         back += 1  # a plain writable tensor, not a view of the object store's read-only bytes
+
+
+def test_exported_weights_reach_the_ray_backend_as_rank_0s_reference(ray_address):
+    """Rank 0 puts the flat buffer in the object store; the Ray rollout backend publishes that very reference
+    (the driver never fetches the bytes), and the driver can still read the tensors when it needs them."""
+    import ray
+
+    from sao.runtime.ray_backend import _weights_ref
+    from sao.trainer.ray_ranks import RemoteWeights
+
+    @ray.remote
+    def rank0():  # as TrainerRank.call does for export_weights: put in its own process, return the reference
+        flat = torch.cat([torch.arange(6.0), torch.ones(4)]).numpy()
+        return [ray.put(flat)]
+
+    ref = ray.get(rank0.remote())[0]
+    weights = RemoteWeights(ref, [(2, 3), (4,)])
+    assert _weights_ref(weights) is ref  # forwarded as it is, not put again
+    assert len(weights) == 2 and torch.equal(weights[0], torch.arange(6.0).view(2, 3))
+    assert torch.equal(weights[1], torch.ones(4))
+    first = weights[0]
+    first += 1  # plain writable tensors, not the store's read-only bytes
+    plain = [torch.zeros(2)]
+    assert _weights_ref(plain) != ref and ray.get(_weights_ref(plain)).tolist() == [0.0, 0.0]

@@ -49,6 +49,13 @@ def connect(cfg: RuntimeConfig, trainer_cpus: float = 0.0) -> bool:
     return True
 
 
+def _weights_ref(params) -> ray.ObjectRef:
+    """The flat buffer in the object store: as it is when the trainer's ranks put it there already (Ray trainer
+    ranks' `RemoteWeights`, sao/trainer/ray_ranks.py: the driver never holds the bytes), else put from here."""
+    ref = getattr(params, "object_ref", None)
+    return ref if ref is not None else ray.put(flatten(params).numpy())
+
+
 class FlatWeights:
     """Weight source of a worker's engine: the newest flat buffer the trainer published."""
 
@@ -148,7 +155,7 @@ class RayBackend:
         t0 = time.perf_counter()
         self._init()
         self.queue = RecordQueue.remote()
-        self.weights_ref, self.version = ray.put(flatten(params).numpy()), version
+        self.weights_ref, self.version = _weights_ref(params), version
         pairs = [self._actor(spec) for spec in self.specs]
         self.actors, self.runs = [a for a, _ in pairs], [r for _, r in pairs]
         self.start_s = time.perf_counter() - t0
@@ -177,7 +184,7 @@ class RayBackend:
 
     def publish(self, params: list[torch.Tensor], version: int) -> float:
         t0 = time.perf_counter()
-        self.weights_ref, self.version = ray.put(flatten(params).numpy()), version
+        self.weights_ref, self.version = _weights_ref(params), version
         for actor in self.actors:
             actor.set_weights.remote(version, self.weights_ref)
         return (time.perf_counter() - t0) * 1000

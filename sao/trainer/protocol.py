@@ -3,7 +3,9 @@
     step(batch) -> metrics          one optimizer step on B finished trajectories (docs/algorithm.md §5);
                                     with batch.trace_rows > 0, metrics["trace"] holds the per-token
                                     records of those rows (sao/trainer/trace.py), gathered from every rank
-    export_weights() -> tensors     full actor weights in the engines' parameter order, for publishing
+    export_weights() -> tensors     full actor weights in the engines' parameter order, for publishing (a
+                                    sequence of tensors; Ray trainer ranks: `RemoteWeights`, also a reference
+                                    to the flat buffer in the object store that a Ray backend forwards)
     logprobs(batch)                 the current actor's log-probs of a batch (the parity gate)
     state_dict() / load_state_dict  optimizer states and counters, for checkpoints (weights travel as
                                     HF folders through save_pretrained)

@@ -11,7 +11,11 @@
         rank actor at once (the batch is put in the object store once) and whose answer is rank 0's
 
 Every rank, rank 0 included, is an actor with a bundle of its own, so the driver (the runtime's process)
-needs no GPU; the full weights travel rank 0 -> object store -> driver -> the publish path.
+needs no GPU. Weights for the engines do not pass through the driver: rank 0 puts the full weights in Ray's
+object store as the one flat float32 buffer every backend publishes, and `export_weights` returns
+`RemoteWeights`, whose `object_ref` the Ray rollout backend hands its workers as it is (the driver holds a
+reference, not the bytes); whatever needs the tensors in the driver (evaluation, the parity gate, an HF
+export) fetches them once, on first use.
 
 Faults: a rank actor that dies (its process SIGKILLed, its node lost) fails the call in progress, or
 the next one, with one line naming the rank; the other ranks are killed with it. A hung collective
@@ -22,11 +26,12 @@ so no rank outlives `sao train`.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import ray
 import torch
@@ -60,6 +65,28 @@ class Packed:
             return out
 
 
+class RemoteWeights(Sequence):
+    """Full actor weights in Ray's object store (`object_ref`: one flat float32 numpy buffer, in the engines'
+    parameter order, shaped by `shapes`): a list of tensors to whoever reads them (fetched and split once),
+    a reference a Ray backend forwards to its engines without fetching (sao/runtime/ray_backend.py)."""
+
+    def __init__(self, object_ref, shapes: list[tuple[int, ...]]):
+        self.object_ref, self.shapes, self._tensors = object_ref, shapes, None
+
+    def tensors(self) -> list[torch.Tensor]:
+        if self._tensors is None:
+            flat = torch.from_numpy(ray.get(self.object_ref).copy())  # the store's array is read-only
+            self._tensors = list(flat.split([math.prod(s) for s in self.shapes]))
+            self._tensors = [t.view(s) for t, s in zip(self._tensors, self.shapes)]
+        return self._tensors
+
+    def __getitem__(self, i):
+        return self.tensors()[i]
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
 @ray.remote(max_restarts=0)
 class TrainerRank:
     """One trainer rank: a `DistributedLearner` (built by `build`) in its own Ray worker process."""
@@ -87,8 +114,13 @@ class TrainerRank:
         return self.learner.actor_version
 
     def call(self, name: str, args: tuple):
-        """Run one command (sao/trainer/ranks.py COMMANDS); only rank 0's result travels back (on CPU, `Packed`)."""
+        """Run one command (sao/trainer/ranks.py COMMANDS); only rank 0's result travels back (on CPU, `Packed`;
+        exported weights as a reference to the flat buffer rank 0 put in the object store)."""
         out = COMMANDS[name](self.learner, *args)
+        if name == "export_weights" and self.rank == 0:
+            with torch.no_grad():
+                flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in out]).numpy()
+            return ("remote", [ray.put(flat)], [tuple(t.shape) for t in out]), self.learner.actor_version
         out = tree_map_only(torch.Tensor, Packed, out) if self.rank == 0 else None
         return out, self.learner.actor_version
 
@@ -116,6 +148,8 @@ class RayRankDriver(RankDriver):
     def _call(self, name: str, *args):
         ref = ray.put(args)  # once, whatever the number of ranks
         out, self._version = self._gather(name, [a.call.remote(name, ref) for a in self.actors])[0]
+        if isinstance(out, tuple) and out[:1] == ("remote",):  # export_weights: a reference, not the bytes
+            return RemoteWeights(out[1][0], out[2])
         return tree_map_only(Packed, Packed.tensor, out)
 
     def _gather(self, name: str, calls: list) -> list:
