@@ -10,6 +10,11 @@ trainers are up at once, and their exports alternate (A, B, A, B, ...), so a sha
 falls on both alike. Each size is HIDDENxLAYERS of the built-in Llama architecture with a critic of
 the same size (512x8 ~34M, 1024x8 ~134M parameters each), randomly initialized; fp32 on CPU.
 Reports the median seconds per export and per MB of weights. Writes benchmarks/results/ray_ranks.json.
+
+Since the Ray rollout backend takes rank 0's reference (sao/runtime/ray_backend.py `_weights_ref`), a publish
+from Ray ranks also gets two arms, each what the driver spends before the rollout actors can read the new
+weights: `ray_via_driver` (the route before: fetch the bytes into the driver, flatten, put them again) and
+`ray_direct` (export, then forward the reference rank 0 put).
 """
 
 from __future__ import annotations
@@ -55,11 +60,20 @@ def measure(hidden: int, layers: int, repeats: int) -> dict:
     try:
         mb = sum(t.numel() * t.element_size() for t in local.export_weights()) / 2**20
         on_ray.export_weights()  # warm-up of both paths
-        times: dict[str, list[float]] = {"local": [], "ray": []}
+        import ray
+
+        from sao.runtime.ray_backend import _weights_ref
+        from sao.runtime.weight_sync import flatten
+
+        arms = {"local": local.export_weights,
+                "ray": lambda: on_ray.export_weights().tensors(),  # the bytes in this process, as before
+                "ray_via_driver": lambda: ray.put(flatten(list(on_ray.export_weights())).numpy()),
+                "ray_direct": lambda: _weights_ref(on_ray.export_weights())}
+        times: dict[str, list[float]] = {k: [] for k in arms}
         for _ in range(repeats):
-            for name, driver in (("local", local), ("ray", on_ray)):
+            for name, arm in arms.items():
                 t = time.perf_counter()
-                driver.export_weights()
+                arm()  # ray.put returns once the bytes are in the store
                 times[name].append(time.perf_counter() - t)
     finally:
         on_ray.close()
@@ -68,7 +82,8 @@ def measure(hidden: int, layers: int, repeats: int) -> dict:
     return {"size": f"{hidden}x{layers}", "export_mb": round(mb, 1), "repeats": repeats,
             **{f"{k}_export_s": round(v, 3) for k, v in med.items()},
             **{f"{k}_export_s_per_mb": round(v / mb, 5) for k, v in med.items()},
-            "ray_over_local": round(med["ray"] / med["local"], 2)}
+            "ray_over_local": round(med["ray"] / med["local"], 2),
+            "direct_over_via_driver": round(med["ray_direct"] / med["ray_via_driver"], 2)}
 
 
 def main() -> None:

@@ -142,7 +142,8 @@ class Learner:
         # V(s_t) at t is the head's output at t-1 (sao/models/critic.py): at the first action token it has
         # read the whole prompt and nothing after it
         last_prompt = batch.action_mask[heads].float().argmax(1)
-        logits = self._values(batch)[heads, last_prompt]
+        prompts = self._prompts(batch, heads, last_prompt)
+        logits = self._prompt_logits(prompts, last_prompt)
         t = _lap(metrics, "perf/critic_forward_s", t)
         episode_adv, value = prompt_value_advantages(logits, rewards)
         ones = torch.ones_like(value)[:, None]
@@ -151,7 +152,7 @@ class Learner:
             self.trace.put("prompt_value", per_row(value.cpu(), batch))
         for k in range(self.critic_updates):
             if k > 0:
-                logits = self._values(batch)[heads, last_prompt]
+                logits = self._prompt_logits(prompts, last_prompt)
                 t = _lap(metrics, "perf/critic_forward_s", t)
             loss, m = prompt_value_loss(logits, rewards, self.reduce)
             gn = self._apply(self.critic_opt, loss, self.critic_cfg.grad_clip)
@@ -163,6 +164,21 @@ class Learner:
         metrics["critic/value_mean"] = float(self.reduce.mean(value))
         metrics["critic/return_mean"] = float(self.reduce.mean(rewards))
         return per_row(episode_adv.cpu(), batch).to(device)[:, None] * batch.action_mask
+
+    @staticmethod
+    def _prompts(batch: Batch, heads: torch.Tensor, first_action: torch.Tensor) -> Batch:
+        """Each episode's first row cut after its prompt: the value at the first action token reads nothing
+        later (a causal critic), so the critic's passes need not run over the whole episode."""
+        rows = batch.rows(heads)
+        cut = int(first_action.max()) + 1 if rows.size else 1
+        return Batch(rows.input_ids[:, :cut], rows.attention_mask[:, :cut], rows.action_mask[:, :cut],
+                     rows.behavior_logprobs[:, :cut], rows.rewards[:, :cut], rows.scalar_rewards,
+                     rows.num_action_tokens, rows.prompt_keys, rows.group_ids)
+
+    def _prompt_logits(self, prompts: Batch, first_action: torch.Tensor) -> torch.Tensor:
+        """The critic's output after each prompt (V(s_t) at the first action token), one per episode."""
+        v = self._values(prompts)
+        return v[torch.arange(prompts.size, device=v.device), first_action]
 
     def _rewards_in_unit(self, rewards: torch.Tensor, why: str) -> None:
         """Stop the run on a reward outside [0, 1] (on any rank: every rank takes the same branch)."""
