@@ -265,6 +265,7 @@ class Learner:
         min(pi_new / pi_rollout, algo.pact_weight_clip), pi_new the actor as it is now."""
         mask, metrics = batch.action_mask, {}
         t = time.perf_counter()
+        self._pass_boundary()
         with torch.no_grad():
             logprobs, _ = actor_logprobs(self.actor, self._packed(batch))
             ratio = torch.exp(torch.where(mask.bool(), logprobs.float() - batch.behavior_logprobs.float(), 0.0))
