@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sao.bench.analysis import accuracy_at, collapse, recovery, time_to_target
+from sao.bench.analysis import accuracy_at, collapse, nonfinite_step, recovery, time_to_target
 from sao.bench.experiment import load_experiment, train_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,6 +22,20 @@ def _run(evals, entropy=None, loss=None, n=10):
             "loss": loss or [0.1] * n, "eval_step": [s for s, _ in evals], "eval_accuracy": [a for _, a in evals],
             "eval_wall_s": [10.0 * s for s, _ in evals],
             "nonfinite": [s for s, x in zip(steps, loss or [0.1] * n) if not math.isfinite(x)]}
+
+
+def test_only_a_non_finite_update_is_a_non_finite_step():
+    """Rows as the learner logs them: a batch whose rewards are all equal skips the actor by design
+    (actor/uniform_skipped, no loss/policy); reproduced on the stability rivals bench, where it was reported
+    as a non-finite collapse of every SAO run."""
+    uniform = {"step": 76, "reward/mean": 1.0, "actor/uniform_skipped": 1.0, "guard/skipped_updates": 0,
+               "guard/skipped_updates_total": 0, "critic/value_loss": 0.0008}
+    assert not nonfinite_step(uniform)
+    later = {"step": 90, "loss/policy": -0.01, "guard/skipped_updates": 0, "guard/skipped_updates_total": 3}
+    assert not nonfinite_step(later)  # a skip long ago is not this step's
+    assert nonfinite_step({"step": 91, "loss/policy": -0.01, "guard/skipped_updates": 1})
+    assert nonfinite_step({"step": 92, "loss/policy": float("nan"), "guard/skipped_updates": 0})
+    assert nonfinite_step({"step": 93, "loss/policy": None})
 
 
 def test_collapse_detector():

@@ -26,6 +26,16 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def nonfinite_step(row: dict) -> bool:
+    """A policy loss logged as null/NaN/inf (a critic warm-up step and a skipped uniform batch log none), or
+    an update the trainer skipped for a non-finite loss or gradient (`guard/skipped_updates`, this step's
+    count). Not `actor/uniform_skipped` (no actor update on a batch whose rewards are all equal, by design)
+    and not the running total, `guard/skipped_updates_total`: until 2026-12-06 any key with "skipped" in its
+    name counted, so every run that once met a uniform batch was reported as a non-finite collapse."""
+    return ("loss/policy" in row and not _finite(row["loss/policy"])) or (
+        _finite(row.get("guard/skipped_updates")) and row["guard/skipped_updates"] > 0)
+
+
 def load_run(run_dir: Path) -> dict:
     """Per-step curves and the held-out evaluations of one run (empty lists when it never started)."""
     path = Path(run_dir) / "metrics.jsonl"
@@ -52,10 +62,7 @@ def load_run(run_dir: Path) -> dict:
     run["final_games"] = final_games(Path(run_dir))
     last = steps[-1] if steps else {}
     run["gen_total_s"], run["train_total_s"] = last.get("perf/gen_total_s"), last.get("perf/train_total_s")
-    # a policy loss logged as null/NaN/inf (a critic warm-up step logs none), or a step the trainer
-    # counted as skipped for a non-finite loss or gradient
-    run["nonfinite"] = [r["step"] for r in steps if ("loss/policy" in r and not _finite(r["loss/policy"])) or any(
-        ("nonfinite" in k or "skipped" in k) and _finite(v) and v > 0 for k, v in r.items())]
+    run["nonfinite"] = [r["step"] for r in steps if nonfinite_step(r)]
     return run
 
 
