@@ -11,6 +11,8 @@ over games. Settings:
   listed24    every admissible command numbered (max_commands=24: at 5 and 10 commands 12% and 20% of the
               walkthrough steps were beyond the 9 listed, so most games could not be won by number) and a
               turn budget of twice the shortest solution
+  wide        listed24 with observations of 240 characters (120 cut the exits of busy rooms) and twice the
+              SFT steps
 Writes `--out` (JSON) and prints a table.
 """
 
@@ -34,11 +36,15 @@ CONTEXT = {2: 1280, 5: 2304, 10: 4096}  # the preset's episode and model lengths
 def setting_overrides(setting: str, q: int) -> list[str]:
     if setting == "preset":
         turns, tokens, extra = q + 2, CONTEXT[q], []
-    elif setting == "listed24":
+    elif setting in ("listed24", "wide"):
         turns, extra = 2 * q, ["env.options.max_commands=24"]
         tokens = {2: 1280, 5: 3584, 10: 7168}[q]  # the longer budget's episodes (the commands list is longer too)
+        if setting == "wide":
+            steps = int(next(o for o in WORLDS[q] if o.startswith("sft.steps=")).split("=")[1])
+            extra += ["env.options.observation_chars=240", f"sft.steps={2 * steps}"]
+            tokens = {2: 1792, 5: 5120, 10: 10240}[q]
     else:
-        raise SystemExit(f"--setting: unknown {setting!r} (preset, listed24)")
+        raise SystemExit(f"--setting: unknown {setting!r} (preset, listed24, wide)")
     return [*COMMON, *WORLDS[q], f"env.options.quest_length={q}", f"rollout.max_turns={turns}",
             f"rollout.max_episode_tokens={tokens}", f"model.max_positions={tokens}", *extra]
 
