@@ -1,5 +1,5 @@
-"""How often the starting policy wins TextWorld quests of each length before any RL (issue: a long-horizon setting
-the small policy sometimes wins), and which settings move that.
+"""How often the starting policy wins TextWorld quests of each length before any RL (a long-horizon comparison needs
+a starting policy that sometimes wins), and which settings move that.
 
     python benchmarks/horizon_start.py [--lengths 2 5 10] [--games 128] [--setting listed24] [--out FILE]
 

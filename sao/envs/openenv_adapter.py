@@ -352,9 +352,23 @@ def session_client(base_url: str, timeout_s: float):
             except SessionsFull:
                 raise
             except ConnectionClosed as exc:  # closed before our message: a full server's reply may be queued
+                queued = await self._queued_error()
+                if queued.get("code") == "CAPACITY_REACHED":
+                    raise SessionsFull(queued.get("max_sessions"), f"OpenEnv server full: {queued.get('message')}"[:500]) \
+                        from None
                 raise SessionsFull(None, f"OpenEnv server closed the session at once ({exc})") from None
             except (RuntimeError, InvalidAction):  # an execution error: the session exists
                 pass
+
+        async def _queued_error(self) -> dict:
+            """The error a server sent before it closed the socket (a full server answers CAPACITY_REACHED and
+            closes at once, which can fail our send before its reply is read): received messages are still
+            delivered after the close. {} when there is none."""
+            try:
+                reply = json.loads(await asyncio.wait_for(self._ws.recv(), 0.5)) if self._ws is not None else {}
+            except Exception:  # noqa: BLE001 - nothing was queued, or the socket is gone: the caller says so
+                return {}
+            return reply.get("data", {}) if isinstance(reply, dict) and reply.get("type") == "error" else {}
 
         async def disconnect(self) -> None:
             """Say close, then let the server close the socket first (closing at once makes openenv-core
