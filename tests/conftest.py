@@ -50,6 +50,23 @@ TINY = [
 EXTERNAL = ("ray", "vllm", "smollm2")
 
 
+def two_turn_trajectories(codec, rewards, behavior: float = 0.0):
+    """One two-turn episode per reward (answer, observation, answer), each action token's recorded log-prob
+    `behavior`: the batches the algorithms' hand-computation tests step on."""
+    from sao.types import Trajectory
+
+    trajs = []
+    for i, r in enumerate(rewards):
+        p = codec.prompt_ids([{"role": "user", "content": f"{i + 2}+{i}"}])
+        a = codec.action_ids(f"<answer>{2 * i + 2}</answer>")
+        o = codec.action_ids("= ok")
+        a2 = codec.action_ids("<answer>1</answer>")
+        ids, mask = p + a + o + a2, [0] * len(p) + [1] * len(a) + [0] * len(o) + [1] * len(a2)
+        trajs.append(Trajectory(f"e{i}", f"t{i}", ids, mask, [behavior * m for m in mask],
+                                [0 if m else -1 for m in mask], len(p), reward=r, turns=2))
+    return trajs
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if any(item.get_closest_marker(m) for m in EXTERNAL):

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from conftest import two_turn_trajectories
 
 from sao.algo.baselines import negative_token_filter, outcome_advantages
 from sao.algo.registry import get_algorithm
@@ -16,7 +17,6 @@ from sao.errors import RunStopped
 from sao.trainer.batch import collate
 from sao.trainer.learner import Learner
 from sao.trainer.packing import actor_logprobs
-from sao.types import Trajectory
 
 
 def test_outcome_advantage_and_the_filter_by_hand():
@@ -41,16 +41,7 @@ def test_outcome_advantage_and_the_filter_by_hand():
 
 
 def _batch(codec, rewards):
-    trajs = []
-    for i, r in enumerate(rewards):
-        p = codec.prompt_ids([{"role": "user", "content": f"{i + 2}+{i}"}])
-        a = codec.action_ids(f"<answer>{2 * i + 2}</answer>")
-        o = codec.action_ids("= ok")
-        a2 = codec.action_ids("<answer>1</answer>")
-        ids, mask = p + a + o + a2, [0] * len(p) + [1] * len(a) + [0] * len(o) + [1] * len(a2)
-        trajs.append(Trajectory(f"e{i}", f"t{i}", ids, mask, [0.0] * len(mask), [0 if m else -1 for m in mask],
-                                len(p), reward=r, turns=2))
-    return collate(trajs, codec.tokenizer.pad_token_id)
+    return collate(two_turn_trajectories(codec, rewards), codec.tokenizer.pad_token_id)
 
 
 def test_crf_ntf_step_equals_the_hand_computation(tiny):

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from conftest import two_turn_trajectories
 
 from sao.algo.gae import episode_totals, length_adaptive_lambda, skip_observation_gae
 from sao.algo.registry import get_algorithm
@@ -14,20 +15,10 @@ from sao.models.critic import build_critic, critic_values, freeze_parameters
 from sao.trainer.batch import collate
 from sao.trainer.learner import Learner
 from sao.trainer.packing import actor_logprobs
-from sao.types import Trajectory
 
 
 def _batch(codec, rewards):
-    trajs = []
-    for i, r in enumerate(rewards):
-        p = codec.prompt_ids([{"role": "user", "content": f"{i + 2}+{i}"}])
-        a = codec.action_ids(f"<answer>{2 * i + 2}</answer>")
-        o = codec.action_ids("= ok")
-        a2 = codec.action_ids("<answer>1</answer>")
-        ids, mask = p + a + o + a2, [0] * len(p) + [1] * len(a) + [0] * len(o) + [1] * len(a2)
-        trajs.append(Trajectory(f"e{i}", f"t{i}", ids, mask, [0.0] * len(mask), [0 if m else -1 for m in mask],
-                                len(p), reward=r, turns=2))
-    return collate(trajs, codec.tokenizer.pad_token_id)
+    return collate(two_turn_trajectories(codec, rewards), codec.tokenizer.pad_token_id)
 
 
 def test_pact_step_equals_the_hand_computation(tiny, tiny_model_dir):

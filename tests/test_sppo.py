@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from conftest import two_turn_trajectories
 
 from sao.algo.losses import prompt_value_advantages, prompt_value_loss
 from sao.algo.registry import get_algorithm
@@ -17,7 +18,6 @@ from sao.errors import RunStopped
 from sao.models.critic import build_critic, critic_values
 from sao.trainer.batch import collate
 from sao.trainer.learner import Learner
-from sao.types import Trajectory
 
 
 def test_prompt_value_advantage_and_loss_by_hand():
@@ -35,15 +35,7 @@ def test_prompt_value_advantage_and_loss_by_hand():
 
 
 def _batch(codec, rewards):
-    trajs = []
-    for i, r in enumerate(rewards):
-        p = codec.prompt_ids([{"role": "user", "content": f"{i + 2}+{i}"}])
-        a = codec.action_ids(f"<answer>{2 * i + 2}</answer>")
-        o = codec.action_ids("= ok")
-        a2 = codec.action_ids("<answer>1</answer>")
-        ids, mask = p + a + o + a2, [0] * len(p) + [1] * len(a) + [0] * len(o) + [1] * len(a2)
-        trajs.append(Trajectory(f"e{i}", f"t{i}", ids, mask, [-1.0 * m for m in mask], [0 if m else -1 for m in mask],
-                                len(p), reward=r, turns=2))
+    trajs = two_turn_trajectories(codec, rewards, behavior=-1.0)
     return collate(trajs, codec.tokenizer.pad_token_id), [len(t.token_ids) - len(t.action_mask) + t.prompt_len
                                                           for t in trajs]
 
