@@ -20,6 +20,7 @@ import torch
 from conftest import TINY
 from faults import alive as _alive
 from faults import audit_of
+from faults import communicate_or_dump as _communicate_or_dump
 from faults import descendants as _descendants
 from faults import popen as _popen
 from faults import rows as _rows
@@ -177,7 +178,7 @@ def test_a_hung_rank_actor_is_bounded_by_the_collective_timeout(tmp_path, ray_ad
     os.kill(hung, signal.SIGSTOP)
     try:
         t0 = time.time()
-        out, err = proc.communicate(timeout=180)
+        out, err = _communicate_or_dump(proc, 180)
         assert proc.returncode == 1 and time.time() - t0 < 90, err[-3000:]
         line = err.strip().splitlines()[-1]
         print(f"stopped {time.time() - t0:.1f} s after the SIGSTOP: {line}")  # shown with pytest -s
@@ -240,3 +241,29 @@ def test_exported_weights_reach_the_ray_backend_as_rank_0s_reference(ray_address
     first += 1  # plain writable tensors, not the store's read-only bytes
     plain = [torch.zeros(2)]
     assert _weights_ref(plain) != ref and ray.get(_weights_ref(plain)).tolist() == [0.0, 0.0]
+
+
+def test_a_rank_that_stops_answering_after_the_others_answered_is_bounded(ray_address, monkeypatch):
+    """Rank 0 answered; rank 1 went quiet after the call's last collective (CI's SIGSTOP once landed there
+    and the driver waited for it forever): it is named as hung trainer.timeout_s + GRACE_S after the answer."""
+    import ray
+
+    from sao.trainer import ray_ranks
+    from sao.trainer.launch import RankFailed
+
+    monkeypatch.setattr(ray_ranks, "GRACE_S", 0.5)
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def call(self, delay: float) -> str:
+            time.sleep(delay)
+            return "done"
+
+    actors = [Rank.remote(), Rank.remote()]
+    driver = ray_ranks.RayRankDriver(actors, None, [{"pid": 1, "ip": "a"}, {"pid": 2, "ip": "b"}], 0, timeout_s=1.0)
+    assert driver._gather("step", [a.call.remote(0.0) for a in actors]) == ["done", "done"]
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match=r"step: trainer rank 1 \(Ray actor, pid 2 on b\) did not answer"):
+        driver._gather("step", [actors[0].call.remote(0.0), actors[1].call.remote(600.0)])
+    assert time.monotonic() - t0 < 10
+    assert driver.actors == []  # every rank actor was ended with the failure

@@ -20,8 +20,8 @@ export) fetches them once, on first use.
 Faults: a rank actor that dies (its process SIGKILLed, its node lost) fails the call in progress, or
 the next one, with one line naming the rank; the other ranks are killed with it. A hung collective
 ends within trainer.timeout_s on the ranks that wait in it; a rank that has not answered GRACE_S after
-the first failure is named as hung. Ray ends a job's actors when its driver exits, even by SIGKILL,
-so no rank outlives `sao train`.
+the first failure, or trainer.timeout_s + GRACE_S after the first answer, is named as hung. Ray ends a
+job's actors when its driver exits, even by SIGKILL, so no rank outlives `sao train`.
 """
 
 from __future__ import annotations
@@ -164,6 +164,10 @@ class RayRankDriver(RankDriver):
             if not done:
                 break  # past the grace: the ranks still pending hang
             r = pending.pop(done[0])
+            # one rank answered: every collective of the call is behind it, so the others answer within a
+            # collective's bound (rank 0's own work after the last collective, a save's metadata, included);
+            # a rank stopped after the call's last collective would otherwise be waited for forever
+            deadline = deadline or time.monotonic() + self.timeout_s + GRACE_S
             try:
                 results[r] = ray.get(done[0])
             except RayActorError:
@@ -172,7 +176,7 @@ class RayRankDriver(RankDriver):
                 raise RankFailed(f"{name}: {self._who(r)} died") from None
             except RayTaskError as e:
                 error = error or e.cause
-                deadline = deadline or time.monotonic() + GRACE_S
+                deadline = min(deadline, time.monotonic() + GRACE_S)
         if error is None and not pending:
             return results
         self.close(abort=True)
