@@ -27,11 +27,25 @@ import torch
 from conftest import TINY
 
 STEPS = 12
+SLOW_STEPS = ["env.options.step_latency_s=0.2", "env.options.step_latency_sigma=0"]
 
 
 def popen(args, cwd) -> subprocess.Popen:
+    """`sao train` as a child; PYTHONFAULTHANDLER lets `communicate_or_dump` show where it hangs."""
     return subprocess.Popen([sys.executable, "-m", "sao.cli", "train", *args, "--quiet"], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+
+
+def communicate_or_dump(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """proc.communicate(timeout); past it, SIGABRT makes Python print every thread's stack (faulthandler),
+    and the test fails with where the run hung instead of a bare TimeoutExpired."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=60)
+        raise AssertionError(f"the run did not end within {timeout:g} s; its stacks:\n{err[-6000:]}") from None
 
 
 def rows(run: Path) -> list[dict]:
@@ -141,8 +155,10 @@ def rank_actor(run: Path, rank: int) -> int:
 
 
 FAULTS = [
-    Fault("local-worker", ["runtime.rollout_workers=2"], lambda pid, run: workers(pid)[:1], "recovers"),
-    Fault("ray-worker", ["runtime.backend=ray", "runtime.rollout_workers=2"],
+    # the worker faults' episodes take time (env.options.step_latency_s), so the victim holds episodes when it
+    # is killed: CI once killed an idle Ray worker (nothing lost, nothing re-issued to check)
+    Fault("local-worker", ["runtime.rollout_workers=2", *SLOW_STEPS], lambda pid, run: workers(pid)[:1], "recovers"),
+    Fault("ray-worker", ["runtime.backend=ray", "runtime.rollout_workers=2", *SLOW_STEPS],
           lambda pid, run: ray_actors("RolloutActor")[:1], "recovers", ray=True),
     Fault("local-trainer", [], lambda pid, run: [pid], "killed"),
     Fault("thread-trainer", ["runtime.backend=thread"], lambda pid, run: [pid], "killed"),
@@ -166,7 +182,7 @@ def kill_and_check(fault: Fault, tmp_path: Path, ray_address: str | None = None)
     left = [p for p, _ in descendants(proc.pid) if p not in victims]  # what must not outlive the run
     t0 = time.time()
     os.kill(victims[0], signal.SIGKILL)
-    _, err = proc.communicate(timeout=300)
+    _, err = communicate_or_dump(proc, 300)
     if fault.outcome == "recovers":
         assert proc.returncode == 0, err[-3000:]
         steps = [r for r in rows(run) if "reward/mean" in r]
