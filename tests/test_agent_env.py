@@ -193,6 +193,12 @@ def hostile_requests_agent(task, base_url, api_key):
         r = http.post("/chat/completions", content=b"{" + b" " * (9 << 20) + b"}",
                       headers={"Content-Type": "application/json"})
         assert r.status_code == 413, r.status_code
+        for path, body in (("/chat/completions", {"messages": [{"role": "user", "content": "x " * (3 << 20)}]}),
+                           ("/completions", {"prompt": "x " * (3 << 20)})):  # 6 MB: under the body limit
+            t0 = time.perf_counter()
+            r = http.post(path, json={"model": "sao", "max_tokens": 2, **body})
+            # refused before the tokenizer reads it (tokenized, it blocked the worker's event loop for seconds)
+            assert r.status_code == 400 and "token limit" in r.text and time.perf_counter() - t0 < 2, r.text
     openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).completions.create(
         model="sao", prompt=[5, 6, 7], max_tokens=3)
     return 1.0

@@ -35,7 +35,7 @@ from sao.envs.base import Env
 from sao.models.chat import ChatCodec
 from sao.rollout.agent_episode import drive_agent
 from sao.rollout.env_calls import call_env, close_env, hung_steps, open_episode
-from sao.rollout.trajectory import TrajectoryBuilder, finite_reward
+from sao.rollout.trajectory import CHARS_PER_TOKEN_BOUND, TrajectoryBuilder, finite_reward
 from sao.types import SamplingParams, Status, Task, Trajectory
 
 __all__ = ["EpisodeLimits", "hung_steps", "open_episode", "run_episode", "run_episodes"]
@@ -47,9 +47,6 @@ class EpisodeLimits:
     max_action_tokens: int = 24
     max_episode_tokens: int = 256
     step_timeout_s: float = 30.0
-
-
-CHARS_PER_TOKEN_BOUND = 64  # no tokenizer's token is longer: text past budget x this cannot fit
 
 
 def bounded_observation(codec: ChatCodec, text, room: int) -> list[int] | None:

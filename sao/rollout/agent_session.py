@@ -32,7 +32,7 @@ from dataclasses import replace
 
 from sao.engine.base import EngineError
 from sao.models.chat import ChatCodec
-from sao.rollout.trajectory import TrajectoryBuilder
+from sao.rollout.trajectory import CHARS_PER_TOKEN_BOUND, TrajectoryBuilder
 from sao.types import SamplingParams
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -107,6 +107,15 @@ class AgentSession:
         except Exception as exc:  # jinja's TemplateError, a template's raise_exception(...), a bad message shape
             raise Refused(400, f"the chat template cannot render these messages: {exc}"[:500], "invalid_request") from None
 
+    def _encode(self, text: str) -> list[int]:
+        """The tokens of untrusted text, refused unread when it is longer than the episode's token budget
+        could hold: an 8 MB message would block the worker's event loop for seconds in the tokenizer."""
+        if len(text) > self.limits.max_episode_tokens * CHARS_PER_TOKEN_BOUND + 256:
+            self.truncated = "token limit"
+            raise Refused(400, f"token limit: {len(text)} characters cannot fit in rollout.max_episode_tokens="
+                          f"{self.limits.max_episode_tokens}", "token_limit")
+        return self.codec.encode(text)
+
     def _rewritten(self, why: str) -> None:
         """Count a call that does not extend the episode; unless it may start a new segment, refuse it."""
         self.rewrites += 1
@@ -137,19 +146,19 @@ class AgentSession:
         n = len(self.messages)
         whole = self._render(messages, tools, True)
         if n == 0 or self.turn_unit:
-            return self.codec.encode(whole), n > 0
+            return self._encode(whole), n > 0
         if len(messages) <= n or [same_message(m) for m in messages[:n]] != self.messages:
             self._rewritten("the first messages differ from the episode's so far")
-            return self.codec.encode(whole), True
+            return self._encode(whole), True
         before = self._render(messages[:n], tools, False)
         end = before.rfind(self.codec.eos_text)
         cut = end + len(self.codec.eos_text)
         if end < 0 or whole[:cut] != before[:cut]:
             self._rewritten("the chat template renders the earlier turns differently (a thinking model's template, "
                             "tools changed?)")
-            return self.codec.encode(whole), True
+            return self._encode(whole), True
         close = [] if self.traj.token_ids[-1] == self.codec.eos_id else [self.codec.eos_id]  # a reply cut at
-        return close + self.codec.encode(whole[cut:]), False  # max_tokens: its turn is closed by an unsampled eos
+        return close + self._encode(whole[cut:]), False  # max_tokens: its turn is closed by an unsampled eos
 
     def text_prompt(self, prompt) -> tuple[list[int], bool]:
         """As `chat_prompt`, for a raw prompt that extends the current segment's text or token ids."""
@@ -167,11 +176,11 @@ class AgentSession:
             return prompt[len(have):], False
         if isinstance(prompt, str):
             if first or self.turn_unit:
-                return self.codec.encode(prompt), not first
+                return self._encode(prompt), not first
             if not prompt.startswith(self.text) or len(prompt) == len(self.text):
                 self._rewritten("the prompt does not extend the episode's text")
-                return self.codec.encode(prompt), True
-            return self.codec.encode(prompt[len(self.text):]), False
+                return self._encode(prompt), True
+            return self._encode(prompt[len(self.text):]), False
         raise Refused(400, "prompt: one string or one list of token ids", "invalid_request")
 
     async def generate(self, prompt: tuple[list[int], bool], max_tokens: int | None):

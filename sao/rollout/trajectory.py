@@ -33,6 +33,8 @@ import uuid
 from sao.engine.base import EngineError
 from sao.types import Generation, Status, Trajectory
 
+CHARS_PER_TOKEN_BOUND = 64  # no tokenizer's token is longer: text past budget x this cannot fit
+
 
 class BadReward(ValueError):
     """An environment or agent gave a reward that is not a finite number."""
