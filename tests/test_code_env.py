@@ -268,6 +268,23 @@ def test_tests_the_host_cannot_judge_are_refused_derived_or_opted_in(tmp_path):
     assert gamed.reward == 1.0 and gamed.info["tests_judged_in_sandbox"] == 1.0  # why it is opt-in only
 
 
+def test_a_task_whose_reference_differs_between_runs_is_refused_at_load_naming_it(tmp_path):
+    """The test must be derived (a helper the host cannot walk) and the reference returns a set's order,
+    which string hashing changes per process: refused in one line that names the task, not a derived
+    check that fails correct code."""
+    test = "def check(candidate):\n    def words(n):\n        return candidate(n)\n    assert len(words(30)) == 30\n"
+    rows = [{"id": f"u{i}", "prompt": f"Return n distinct words ({i}).", "tests": [test], "entry_point": "uniq",
+             "solution": "def uniq(n):\n    return " + ("sorted" if i else "list") + "({f'w{i}' for i in range(n)})\n"}
+            for i in range(10)]
+    with pytest.raises(ValueError, match=r"^env\.options\.sandbox_judged: task 'u0' test 1 cannot be judged on the "
+                                         r"host .*differ between two runs") as e:
+        _env(path=_write(tmp_path / "u.jsonl", rows))
+    assert "\n" not in str(e.value)
+    env = _env(path=_write(tmp_path / "s.jsonl", rows[1:]), heldout_fraction=0.5)  # sorted: derived, and passes
+    task = env.eval_tasks(1)[0]
+    assert _play(env, task, [_fenced(task.meta["reference"])])[0].reward == 1.0
+
+
 @pytest.mark.slow
 @needs_sandbox
 def test_humaneval_is_judged_wholly_on_the_host():
