@@ -33,37 +33,20 @@ from sao.types import SamplingParams, Status, Trajectory  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Qwen3-style: the generation prompt opens the reasoning (`<think>\n`, as DeepSeek-R1-style templates do) and an
-# assistant turn before the last user message is rendered without it (only the text after `</think>`), so the
-# prompt of call n+1 is not the tokens of call n plus the new messages.
-THINKING_TEMPLATE = (
-    "{% set ns = namespace(last_user=-1) %}"
-    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
-    "{% for m in messages %}{% set content = m['content'] or '' %}"
-    "{% if m['role'] == 'assistant' %}"
-    "{% if loop.index0 < ns.last_user %}{% set content = content.split('</think>')[-1].lstrip() %}"
-    "{% else %}{% set content = '<think>\n' + content %}{% endif %}{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{{ content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
-)
-
-
-def with_thinking_template(model_dir: Path) -> Path:
-    from sao.models.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(model_dir)
-    tok.chat_template = THINKING_TEMPLATE
-    tok.save_pretrained(str(model_dir))
-    assert load_tokenizer(model_dir).chat_template == THINKING_TEMPLATE
-    return model_dir
+# the Qwen3-style template and the model folder it is given to: the example's (examples/agent/thinking_agent.py)
+from examples.agent.thinking_agent import THINKING_TEMPLATE, with_thinking_template  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def thinking_model_dir(tmp_path_factory):
     from sao.models.tiny import build_tiny_model
+    from sao.models.tokenizer import load_tokenizer
 
-    return with_thinking_template(build_tiny_model(tmp_path_factory.mktemp("thinking"), hidden_size=32, num_layers=2,
-                                                   num_heads=2, intermediate_size=64, max_positions=256, seed=0))
+    model_dir = with_thinking_template(build_tiny_model(tmp_path_factory.mktemp("thinking"), hidden_size=32,
+                                                        num_layers=2, num_heads=2, intermediate_size=64,
+                                                        max_positions=256, seed=0))
+    assert load_tokenizer(model_dir).chat_template == THINKING_TEMPLATE
+    return model_dir
 
 
 @pytest.fixture()
@@ -363,3 +346,11 @@ def test_sao_train_on_a_thinking_agent_with_vllm(tmp_path_factory, tasks, tmp_pa
     train_thinking_agent(tmp_path, tasks, model_dir, [f"env.options.sample_unit={unit}", "engine.name=vllm",
                                                       f"engine.python={VLLM_PYTHON}",
                                                       'engine.server_args=["--enforce-eager"]'])
+
+
+@pytest.mark.slow
+def test_the_thinking_agent_example_runs_offline_in_segments(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "agent" / "thinking_agent.py"), "--out",
+                           str(tmp_path / "ex"), "--steps", "2"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "8 trained episodes, segments per episode: 3.0-3.0" in proc.stdout, proc.stdout
