@@ -166,8 +166,9 @@ class CriticConfig(Section):
         "actor's step on batch n (same math, lag one more; docs/ranks.md §2)"))
     threads: int = Field(1, ge=1, description="critic.placement=separate: torch threads of each critic process")
     ranks: int = Field(1, ge=1, description=(
-        "critic.placement=separate: the critic's processes; M > 1 shards it with FSDP2 over M data-parallel "
-        "ranks of its own process group (gloo on CPU, NCCL on GPU; the math equals one process; docs/ranks.md §2)"))
+        "critic.placement=separate: the critic's processes (with runtime.backend=ray: Ray actors placed like the "
+        "trainer's rank actors); M > 1 shards it with FSDP2 over M data-parallel ranks of its own process group "
+        "(gloo on CPU, NCCL on GPU; the math equals one process; docs/ranks.md §2)"))
 
 
 class TrainConfig(Section):
@@ -263,11 +264,13 @@ class TrainerConfig(Section):
         "trainer.ranks > 1: bound on every collective; a rank that hangs or dies stops the run within it "
         "(runtime.backend=ray: also the wait for the cluster to place the ranks)"))
     ray_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
-        "runtime.backend=ray, trainer.ranks > 1: Ray placement-group strategy of the rank actors (one bundle "
-        "per rank): PACK = as few nodes as fit (fast intra-node collectives), STRICT_SPREAD = one node each"))
-    rank_num_cpus: float = Field(1.0, ge=0, description="runtime.backend=ray: CPUs reserved per trainer rank actor")
+        "runtime.backend=ray, trainer.ranks > 1 or a separate critic: Ray placement-group strategy of the rank "
+        "actors (one bundle per rank; the critic's ranks are a group of their own): PACK = as few nodes as fit "
+        "(fast intra-node collectives), STRICT_SPREAD = one node each"))
+    rank_num_cpus: float = Field(1.0, ge=0, description=(
+        "runtime.backend=ray: CPUs reserved per trainer rank actor (and per critic rank actor)"))
     rank_num_gpus: float = Field(0.0, ge=0, description=(
-        "runtime.backend=ray: GPUs per trainer rank actor (1 on a GPU cluster: the ranks then use NCCL)"))
+        "runtime.backend=ray: GPUs per trainer (and critic) rank actor (1 on a GPU cluster: the ranks then use NCCL)"))
 
     @model_validator(mode="after")
     def _bundle(self) -> TrainerConfig:

@@ -168,6 +168,8 @@ FAULTS = [
           "trainer rank 1 (Ray actor, pid {pid}", ["trainer.ranks=1"], ray=True),
     Fault("critic", ["critic.placement=separate"], lambda pid, run: spawned(pid), "stops",
           "the critic's process (pid {pid}) exited with code -9"),
+    Fault("ray-critic", ["critic.placement=separate", "runtime.backend=ray"],
+          lambda pid, run: ray_actors("TrainerRank"), "stops", "the critic (Ray actor, pid {pid} on", ray=True),
 ]
 
 

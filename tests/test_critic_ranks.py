@@ -331,3 +331,82 @@ def test_sync_mode_with_a_separate_lora_critic(tmp_path):
     rows = [r for r in _rows(run) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and "async/critic_ahead" not in rows[-1]
     assert rows[-1]["critic/version"] == 8
+
+
+@pytest.mark.ray
+def test_critic_ranks_as_ray_actors_give_the_same_weights_and_metrics(tiny, tiny_model_dir, ray_address):
+    """runtime.backend=ray: the critic's two ranks are Ray actors (sao/trainer/ray_ranks.py RayCriticGroup),
+    built by sao's own critic_learner from a Config, handed batch n+1 before the actor steps on batch n: every
+    metric but timings and the actor's weights equal the colocated schedule's on the same batches."""
+    import copy
+
+    from faults import ray_actors
+
+    from sao.config import load_config
+    from sao.trainer.build import build_models, critic_learner
+    from sao.trainer.ray_ranks import start_ray_critic
+
+    model, codec = tiny
+    batches = _batches(codec, model, STEPS)
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "critic.placement=separate", "critic.ranks=2",
+                             "critic.warmup_steps=2", "critic.updates_per_step=2", "critic.lr=3e-3", "train.lr=1e-3",
+                             "runtime.backend=ray", "trainer.timeout_s=60"])
+    algo = get_algorithm("sao")
+    actor, critic = build_models(cfg, tiny_model_dir, None)
+    ref = Learner(copy.deepcopy(actor), critic, algo, cfg.algo, cfg.critic, cfg.train)
+    ref_rows = [ref.step(b) for b in batches]
+    group = start_ray_critic(cfg.trainer, 2, 1, critic_learner, (cfg, str(tiny_model_dir), None))
+    sep = Learner(actor, None, algo, cfg.algo, cfg.critic, cfg.train, critic_group=group)
+    try:
+        assert len(ray_actors("TrainerRank", None)) >= 2 and [p["rank"] for p in group.placement] == [0, 1]
+        sep.look_ahead(batches[0])
+        sep_rows = []
+        for n, b in enumerate(batches):
+            if n + 1 < len(batches):
+                sep.look_ahead(batches[n + 1])  # the critic's actors start on n+1 while the actor steps on n
+            sep_rows.append(sep.step(b))
+        assert group.pending == [] and group.calls == []
+        for n, (r, s) in enumerate(zip(ref_rows, sep_rows)):
+            keys = {k for k in r if not k.startswith("perf/") and k != "trace"}
+            assert keys <= set(s), sorted(keys - set(s))
+            off = {k: (r[k], s[k]) for k in keys if not _same(r[k], s[k])}
+            assert not off, (n, off)
+        assert sep_rows[-1]["critic/version"] == ref_rows[-1]["critic/version"] > 0
+        for a, b in zip(ref.actor.parameters(), sep.actor.parameters()):
+            assert torch.allclose(a, b, atol=1e-5, rtol=0)
+        state = sep.state_dict()  # the critic's optimizer state comes back from its rank 0 actor, whole
+        assert state["critic_version"] == ref.critic_version and state["critic_opt"]["state"]
+        sep.load_state_dict(ref.state_dict())  # and the colocated learner's goes to the actors
+    finally:
+        sep.close()
+    assert group.actors == []
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_sao_train_with_critic_actors_on_ray_checkpoints_and_resumes_colocated(tmp_path, ray_address):
+    """The real CLI, async, rollout workers and the critic's ranks on the suite's Ray: batches handed over
+    ahead, a checkpoint every 2 steps, resumed with the critic colocated; nothing lost or trained twice."""
+    from conftest import TINY
+    from faults import audit_of, ray_actors
+    from faults import rows as _rows
+
+    run = tmp_path / "runs" / "rc"
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *TINY, "critic.placement=separate",
+                           "critic.ranks=2", "runtime.backend=ray", f"runtime.ray_address={ray_address}",
+                           "runtime.rollout_workers=2", "runtime.max_lag=3", "runtime.issue_ahead=3", "train.steps=4",
+                           "output.save_every=2", "output.name=rc", "--quiet"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in _rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["critic/version"] == 8
+    assert {r["async/critic_ahead"] for r in rows} <= {0, 1}
+    assert (run / "checkpoints" / "final" / "critic" / "config.json").is_file()
+    res = subprocess.run([sys.executable, "-m", "sao.cli", "train", "--resume", str(run), "train.steps=6",
+                          "critic.placement=colocated", "critic.ranks=1", "--quiet"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in _rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, 7)) and rows[-1]["critic/version"] == 12
+    audit_of(run)
+    assert not ray_actors("TrainerRank", None) or time.sleep(5) or not ray_actors("TrainerRank", None)

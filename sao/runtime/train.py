@@ -182,11 +182,17 @@ def start_run(cfg: Config, progress: RunProgress, resume: Path | None, ckpt: Pat
 
 
 def connect_ray(cfg: Config) -> None:
-    """Trainer ranks as Ray actors (trainer.ranks > 1 with runtime.backend=ray) need Ray before they start."""
-    if cfg.trainer.ranks > 1 and cfg.runtime.backend == "ray":
+    """Trainer ranks and critic ranks as Ray actors (runtime.backend=ray with trainer.ranks > 1, or with
+    critic.placement=separate) need Ray before they start."""
+    if cfg.runtime.backend != "ray":
+        return
+    ranks = cfg.trainer.ranks if cfg.trainer.ranks > 1 else 0
+    if cfg.critic.placement == "separate" and get_algorithm(cfg.algo.name).uses_critic:
+        ranks += cfg.critic.ranks
+    if ranks:
         from sao.runtime.ray_backend import connect
 
-        connect(cfg.runtime, cfg.trainer.ranks * cfg.trainer.rank_num_cpus)
+        connect(cfg.runtime, ranks * cfg.trainer.rank_num_cpus)
 
 
 def _before_accuracy(run_path: Path) -> float:

@@ -42,10 +42,15 @@ def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None):
         return start_trainer_ranks(cfg.trainer.ranks, rank_learner, args, cfg.trainer.timeout_s, model_path)
     algo = get_algorithm(cfg.algo.name)
     if algo.uses_critic and cfg.critic.placement == "separate":  # steps 1-3 on the critic's own process
-        from sao.trainer.critic_ranks import start_critic_rank
+        args = (cfg, str(model_path), str(ckpt) if ckpt is not None else None)
+        if cfg.runtime.backend == "ray":  # Ray actors placed like trainer ranks; the caller connected to Ray
+            from sao.trainer.ray_ranks import start_ray_critic
 
-        group = start_critic_rank(critic_learner, (cfg, str(model_path), str(ckpt) if ckpt is not None else None),
-                                  cfg.critic.threads, cfg.critic.ranks, cfg.trainer.timeout_s)
+            group = start_ray_critic(cfg.trainer, cfg.critic.ranks, cfg.critic.threads, critic_learner, args)
+        else:
+            from sao.trainer.critic_ranks import start_critic_rank
+
+            group = start_critic_rank(critic_learner, args, cfg.critic.threads, cfg.critic.ranks, cfg.trainer.timeout_s)
         return Learner(build_actor(cfg, model_path, ckpt), None, algo, cfg.algo, cfg.critic, cfg.train,
                        dtype=resolve_dtype(cfg.engine.dtype), critic_group=group)
     actor, critic = build_models(cfg, model_path, ckpt)

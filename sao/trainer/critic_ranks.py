@@ -24,8 +24,9 @@ batch's advantages.
 Messages are pickled over one pipe per critic rank, in order; every rank answers each in turn (rank 0
 with the result). A critic process that dies fails the next call with `RankFailed` naming it (one line,
 no traceback); one that raises sends its error back, which is raised here. The processes die with their
-parent (PR_SET_PDEATHSIG) and ignore Ctrl-C (the trainer checkpoints, then closes them). Ray actors as
-critic ranks are not written: with runtime.backend=ray the critic's processes are local to the trainer.
+parent (PR_SET_PDEATHSIG) and ignore Ctrl-C (the trainer checkpoints, then closes them). With
+runtime.backend=ray the critic ranks are Ray actors instead (`RayCriticGroup`, sao/trainer/ray_ranks.py:
+the same messages as remote calls, placed on the cluster like the trainer's rank actors).
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ from sao.trainer.launch import RankFailed, never_outlive_parent
 POLL_S = 0.5  # how often a wait for the critic checks that its process is alive
 
 
+CRITIC_COMMANDS: dict[str, Callable] = {  # what a critic rank runs, whatever carries the message (pipe or Ray)
+    "advance": lambda learner, batch: learner.critic_phase(batch),  # steps 1-3 of a batch
+    "state": lambda learner: learner.critic_state(),
+    "load": lambda learner, state: learner.load_critic_state(state),
+    "save": lambda learner, folder: learner.save_critic(folder),
+}
+
+
 def _serve(learner, conn: Connection) -> None:
     """A critic process's loop: one answer per message, in order, until "close" or end of file."""
     while True:
@@ -52,17 +61,9 @@ def _serve(learner, conn: Connection) -> None:
         if name == "close":
             return
         try:
-            if name == "advance":
-                out = learner.critic_phase(*args)
-            elif name == "state":
-                out = learner.critic_state()
-            elif name == "load":
-                out = learner.load_critic_state(*args)
-            elif name == "save":
-                out = learner.save_critic(*args)
-            else:
+            if name not in CRITIC_COMMANDS:
                 raise ValueError(f"unknown critic command {name!r}")
-            reply = ("ok", out)
+            reply = ("ok", CRITIC_COMMANDS[name](learner, *args))
         except Exception as e:  # the trainer raises it (e.g. a full disk while saving): one report, there
             reply = ("error", (e, traceback.format_exc()))
         try:
@@ -104,6 +105,10 @@ class CriticGroup:
     def process(self):
         """Critic rank 0's process (the only one at critic.ranks=1)."""
         return self.processes[0]
+
+    @property
+    def ranks(self) -> int:
+        return len(self.conns)
 
     def _send(self, name: str, *args, per_rank: list | None = None) -> None:
         """`name` with `args` to every critic rank; `per_rank`: each rank's own arguments instead."""
@@ -202,7 +207,7 @@ class CriticGroup:
 
     def load_state_dict(self, state: dict) -> None:
         """Rank 0 receives the state; the others receive their shards of it from rank 0."""
-        self._call("load", per_rank=[(state,)] + [(None,)] * (len(self.conns) - 1))
+        self._call("load", per_rank=[(state,)] + [(None,)] * (self.ranks - 1))
 
     def save_pretrained(self, folder) -> None:
         self._call("save", str(folder))

@@ -9,6 +9,9 @@
     RayRankDriver
         the seam (sao/trainer/protocol.py) in the driver process: a `RankDriver` whose calls go to every
         rank actor at once (the batch is put in the object store once) and whose answer is rank 0's
+    start_ray_critic(cfg, ranks, threads, build, args) -> RayCriticGroup
+        the separate critic's ranks (critic.placement=separate) as the same actors in a placement group
+        of their own: `CriticGroup`'s messages (sao/trainer/critic_ranks.py) as remote calls
 
 Every rank, rank 0 included, is an actor with a bundle of its own, so the driver (the runtime's process)
 needs no GPU. Weights for the engines do not pass through the driver: rank 0 puts the full weights in Ray's
@@ -42,6 +45,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch.utils._pytree import tree_map_only
 
 from sao.config import ConfigError, TrainerConfig
+from sao.trainer.critic_ranks import CRITIC_COMMANDS, CriticGroup
 from sao.trainer.launch import RankFailed, free_port
 from sao.trainer.ranks import COMMANDS, RankDriver
 
@@ -91,9 +95,11 @@ class RemoteWeights(Sequence):
 class TrainerRank:
     """One trainer rank: a `DistributedLearner` (built by `build`) in its own Ray worker process."""
 
-    def __init__(self, rank: int, world: int, cwd: str) -> None:
-        self.rank, self.world, self.learner, self.cwd = rank, world, None, cwd
+    def __init__(self, rank: int, world: int, cwd: str, role: str = "trainer", threads: int = 0) -> None:
+        self.rank, self.world, self.learner, self.cwd, self.role = rank, world, None, cwd, role
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the driver checkpoints, then closes the ranks
+        if threads:  # a critic rank's intra-op threads (critic.threads), as its local process sets them
+            torch.set_num_threads(threads)
         if os.path.isdir(cwd):  # the driver's relative paths (run directory, critic.path) mean the same here
             os.chdir(cwd)
 
@@ -109,13 +115,18 @@ class TrainerRank:
     def start(self, host: str, port: int, timeout_s: float, build: Callable, args: tuple) -> int:
         from sao.trainer.distributed import init_ranks
 
-        init_ranks(self.rank, self.world, port, timeout_s, host=host)
+        if self.world > 1:  # one critic rank has no process group of its own
+            init_ranks(self.rank, self.world, port, timeout_s, host=host)
         self.learner = build(*args)
         return self.learner.actor_version
 
     def call(self, name: str, args: tuple):
-        """Run one command (sao/trainer/ranks.py COMMANDS); only rank 0's result travels back (on CPU, `Packed`;
-        exported weights as a reference to the flat buffer rank 0 put in the object store)."""
+        """Run one command (sao/trainer/ranks.py COMMANDS; a critic rank's: critic_ranks.CRITIC_COMMANDS); only
+        rank 0's result travels back (on CPU, `Packed`; exported weights as a reference to the flat buffer
+        rank 0 put in the object store)."""
+        if self.role == "critic":
+            out = CRITIC_COMMANDS[name](self.learner, *args)
+            return (tree_map_only(torch.Tensor, Packed, out) if self.rank == 0 else None), 0
         out = COMMANDS[name](self.learner, *args)
         if name == "export_weights" and self.rank == 0:
             with torch.no_grad():
@@ -153,40 +164,8 @@ class RayRankDriver(RankDriver):
         return tree_map_only(Packed, Packed.tensor, out)
 
     def _gather(self, name: str, calls: list) -> list:
-        """Every rank's answer, in rank order; on a failure every rank is stopped and the error names
-        the rank that died or hung, or is the learner's own (e.g. NonFiniteError, raised on every rank)."""
-        pending = {ref: r for r, ref in enumerate(calls)}
-        results: list = [None] * len(calls)
-        error, deadline = None, None
-        while pending:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
-            if not done:
-                break  # past the grace: the ranks still pending hang
-            r = pending.pop(done[0])
-            # one rank answered: every collective of the call is behind it, so the others answer within a
-            # collective's bound (rank 0's own work after the last collective, a save's metadata, included);
-            # a rank stopped after the call's last collective would otherwise be waited for forever
-            deadline = deadline or time.monotonic() + self.timeout_s + GRACE_S
-            try:
-                results[r] = ray.get(done[0])
-            except RayActorError:
-                self.close(abort=True)
-                _drain(list(pending))
-                raise RankFailed(f"{name}: {self._who(r)} died") from None
-            except RayTaskError as e:
-                error = error or e.cause
-                deadline = min(deadline, time.monotonic() + GRACE_S)
-        if error is None and not pending:
-            return results
-        self.close(abort=True)
-        _drain(list(pending))
-        if pending:
-            hung = ", ".join(self._who(r) for r in sorted(pending.values()))
-            raise RankFailed(f"{name}: {hung} did not answer (trainer.timeout_s={self.timeout_s:g} bounds a collective)")
-        if not isinstance(error, dist.DistError):
-            raise error
-        raise RankFailed(f"{name}: a collective failed: {str(error).splitlines()[0] if str(error) else error!r}")
+        """Every rank's answer, in rank order; on a failure every rank is stopped (`gather`)."""
+        return gather(name, calls, self.timeout_s, self._who, lambda: self.close(abort=True))
 
     def _who(self, r: int) -> str:
         p = self.placement[r] if r < len(self.placement) else {}
@@ -206,6 +185,44 @@ class RayRankDriver(RankDriver):
         self.actors, self.followers, self.group = [], [], None
 
 
+def gather(name: str, calls: list, timeout_s: float, who: Callable[[int], str], stop: Callable[[], None]) -> list:
+    """Every rank's answer to call `name`, in rank order; on a failure `stop()` ends every rank and the error
+    names the rank that died or hung (`who(rank)`), or is the learner's own (e.g. NonFiniteError, raised on
+    every rank)."""
+    pending = {ref: r for r, ref in enumerate(calls)}
+    results: list = [None] * len(calls)
+    error, deadline = None, None
+    while pending:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+        if not done:
+            break  # past the grace: the ranks still pending hang
+        r = pending.pop(done[0])
+        # one rank answered: every collective of the call is behind it, so the others answer within a
+        # collective's bound (rank 0's own work after the last collective, a save's metadata, included);
+        # a rank stopped after the call's last collective would otherwise be waited for forever
+        deadline = deadline or time.monotonic() + timeout_s + GRACE_S
+        try:
+            results[r] = ray.get(done[0])
+        except RayActorError:
+            stop()
+            _drain(list(pending))
+            raise RankFailed(f"{name}: {who(r)} died") from None
+        except RayTaskError as e:
+            error = error or e.cause
+            deadline = min(deadline, time.monotonic() + GRACE_S)
+    if error is None and not pending:
+        return results
+    stop()
+    _drain(list(pending))
+    if pending:
+        hung = ", ".join(who(r) for r in sorted(pending.values()))
+        raise RankFailed(f"{name}: {hung} did not answer (trainer.timeout_s={timeout_s:g} bounds a collective)")
+    if not isinstance(error, dist.DistError):
+        raise error
+    raise RankFailed(f"{name}: a collective failed: {str(error).splitlines()[0] if str(error) else error!r}")
+
+
 def _drain(refs: list, timeout_s: float = 5.0) -> None:
     """Fetch and drop the answers of ranks that were killed mid-call: an error Ray holds for a result
     nobody fetched is printed with its traceback when the reference goes (after the run's one line)."""
@@ -217,10 +234,9 @@ def _drain(refs: list, timeout_s: float = 5.0) -> None:
             pass
 
 
-def start_ray_ranks(cfg: TrainerConfig, build: Callable, args: tuple, model_path=None) -> RayRankDriver:
-    """`cfg.ranks` rank actors in a placement group on the connected Ray cluster, joined and built;
-    `build(*args)` (a module-level function: it travels by reference) returns each rank's learner."""
-    world = cfg.ranks
+def _place(cfg: TrainerConfig, world: int, what: str, role: str = "trainer", threads: int = 0):
+    """`world` rank actors in a placement group on the connected Ray cluster (one bundle each:
+    trainer.rank_num_cpus, trainer.rank_num_gpus; strategy trainer.ray_placement): (actors, group)."""
     bundle = {"CPU": cfg.rank_num_cpus, **({"GPU": cfg.rank_num_gpus} if cfg.rank_num_gpus else {})}
     group = placement_group([dict(bundle) for _ in range(world)], strategy=cfg.ray_placement)
     try:
@@ -229,20 +245,87 @@ def start_ray_ranks(cfg: TrainerConfig, build: Callable, args: tuple, model_path
         remove_placement_group(group)
         have = ray.cluster_resources()
         nodes = len([n for n in ray.nodes() if n["Alive"]])
-        raise ConfigError(f"trainer.ranks={world}: the Ray cluster could not place {world} bundles of {bundle} "
+        raise ConfigError(f"{what}={world}: the Ray cluster could not place {world} bundles of {bundle} "
                           f"({cfg.ray_placement}) within trainer.timeout_s={cfg.timeout_s:g}s; it has {nodes} "
                           f"node(s), {have.get('CPU', 0):g} CPUs, {have.get('GPU', 0):g} GPUs") from None
     actors = [TrainerRank.options(num_cpus=cfg.rank_num_cpus, num_gpus=cfg.rank_num_gpus,
-                                  scheduling_strategy=PlacementGroupSchedulingStrategy(group, r)).remote(r, world, os.getcwd())
-              for r in range(world)]
-    driver = RayRankDriver(actors, group, [], 0, cfg.timeout_s, model_path)
-    driver.placement = driver._gather("start", [a.where.remote() for a in actors])
-    blind = [p for p in driver.placement if not p.pop("sees_cwd")]
+                                  scheduling_strategy=PlacementGroupSchedulingStrategy(group, r))
+              .remote(r, world, os.getcwd(), role, threads) for r in range(world)]
+    return actors, group
+
+
+def _build(holder, what: str, timeout_s: float, build: Callable, args: tuple) -> list:
+    """Where each rank runs (`holder.placement`), then every rank joined and built; each rank's version."""
+    holder.placement = holder._gather("start", [a.where.remote() for a in holder.actors])
+    blind = [p for p in holder.placement if not p.pop("sees_cwd")]
     if blind:  # its shards would land in Ray's worker directory: a checkpoint that looks whole but is not
-        driver.close(abort=True)
-        raise ConfigError(f"trainer.ranks: rank {blind[0]['rank']} runs on node {blind[0]['ip']}, which does not "
+        holder.close(abort=True)
+        raise ConfigError(f"{what}: rank {blind[0]['rank']} runs on node {blind[0]['ip']}, which does not "
                           f"see {os.getcwd()}; the run directory must be on a filesystem every node sees")
-    host, port = driver.placement[0]["ip"], driver.placement[0]["port"]
-    versions = driver._gather("start", [a.start.remote(host, port, cfg.timeout_s, build, args) for a in actors])
-    driver._version = versions[0]
+    host, port = holder.placement[0]["ip"], holder.placement[0]["port"]
+    return holder._gather("start", [a.start.remote(host, port, timeout_s, build, args) for a in holder.actors])
+
+
+def start_ray_ranks(cfg: TrainerConfig, build: Callable, args: tuple, model_path=None) -> RayRankDriver:
+    """`cfg.ranks` rank actors in a placement group on the connected Ray cluster, joined and built;
+    `build(*args)` (a module-level function: it travels by reference) returns each rank's learner."""
+    actors, group = _place(cfg, cfg.ranks, "trainer.ranks")
+    driver = RayRankDriver(actors, group, [], 0, cfg.timeout_s, model_path)
+    driver._version = _build(driver, "trainer.ranks", cfg.timeout_s, build, args)[0]
     return driver
+
+
+class RayCriticGroup(CriticGroup):
+    """The critic's ranks as Ray actors (critic.placement=separate with runtime.backend=ray): the messages of
+    `CriticGroup` (advance one batch ahead, state, load, save) as remote calls, answered in the order sent
+    (an actor runs its calls one at a time); a rank that dies or hangs fails the call in one line."""
+
+    def __init__(self, actors: list, group, timeout_s: float) -> None:
+        super().__init__([], [])
+        self.actors, self.group, self.placement, self.timeout_s = actors, group, [], timeout_s
+        self.calls: list[list] = []  # every rank's answer reference per message sent, oldest first
+
+    @property
+    def ranks(self) -> int:
+        return len(self.actors)
+
+    def _who(self, r: int) -> str:
+        p = self.placement[r] if r < len(self.placement) else {}
+        label = "the critic" if len(self.placement) == 1 else f"critic rank {r}"  # placement outlives close
+        return f"{label} (Ray actor, pid {p.get('pid', '?')} on {p.get('ip', '?')})"
+
+    def _gather(self, name: str, calls: list) -> list:
+        return gather(name, calls, self.timeout_s, self._who, lambda: self.close(abort=True))
+
+    def _send(self, name: str, *args, per_rank: list | None = None) -> None:
+        if not self.actors:
+            raise RankFailed(f"{name}: the critic's Ray actors are gone")
+        shared = ray.put(args) if per_rank is None else None  # a batch goes to the object store once
+        self.calls.append([a.call.remote(name, shared if per_rank is None else per_rank[r])
+                           for r, a in enumerate(self.actors)])
+
+    def _receive(self, name: str):
+        out, _ = self._gather(name, self.calls.pop(0))[0]
+        return tree_map_only(Packed, Packed.tensor, out)
+
+    def close(self, abort: bool = False) -> None:
+        """Leave the critic's process group and end its actors and placement group. Idempotent."""
+        if self.actors and not abort:
+            try:
+                ray.get([a.close.remote() for a in self.actors], timeout=30)
+            except (RayActorError, RayTaskError, GetTimeoutError):
+                pass
+        for a in self.actors:
+            ray.kill(a)
+        if self.group is not None:
+            remove_placement_group(self.group)
+        self.actors, self.group, self.calls = [], None, []
+
+
+def start_ray_critic(cfg: TrainerConfig, ranks: int, threads: int, build: Callable, args: tuple) -> RayCriticGroup:
+    """The critic's `ranks` actors on the connected Ray cluster (bundles as the trainer ranks'), each
+    building its critic-only learner with `build(*args)` (sao/trainer/build.py critic_learner)."""
+    actors, group = _place(cfg, ranks, "critic.ranks", role="critic", threads=threads)
+    critic = RayCriticGroup(actors, group, cfg.timeout_s)
+    _build(critic, "critic.ranks", cfg.timeout_s, build, args)
+    return critic
