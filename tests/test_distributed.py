@@ -324,7 +324,7 @@ def test_rank_zero_drives_followers_and_names_a_dead_one(tiny_model_dir, tmp_pat
         assert driver.version == 1
         driver.save(tmp_path / "ckpt")
         assert (tmp_path / "ckpt" / "trainer.json").is_file()
-        follower = driver.followers[0]
+        follower = driver.ranks.followers[0]
         os.kill(follower.pid, signal.SIGKILL)
         follower.join()
         t = time.monotonic()
@@ -333,7 +333,7 @@ def test_rank_zero_drives_followers_and_names_a_dead_one(tiny_model_dir, tmp_pat
         assert time.monotonic() - t < TIMEOUT_S + 5
     finally:
         driver.close(abort=True)
-    assert not any(p.is_alive() for p in driver.followers)
+    assert not any(p.is_alive() for p in driver.ranks.followers)
 
 
 def test_a_learner_error_on_every_rank_is_raised_as_itself(tiny_model_dir):
@@ -345,10 +345,10 @@ def test_a_learner_error_on_every_rank_is_raised_as_itself(tiny_model_dir):
     try:
         with pytest.raises((AttributeError, TypeError)):
             driver.logprobs(None)
-        assert [p.exitcode for p in driver.followers] == [LEARNER_ERROR]
+        assert [p.exitcode for p in driver.ranks.followers] == [LEARNER_ERROR]
     finally:
         driver.close(abort=True)
-    assert not any(p.is_alive() for p in driver.followers)
+    assert not any(p.is_alive() for p in driver.ranks.followers)
 
 
 def _config(**overrides):

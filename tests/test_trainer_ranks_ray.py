@@ -260,10 +260,11 @@ def test_a_rank_that_stops_answering_after_the_others_answered_is_bounded(ray_ad
             return "done"
 
     actors = [Rank.remote(), Rank.remote()]
-    driver = ray_ranks.RayRankDriver(actors, None, [{"pid": 1, "ip": "a"}, {"pid": 2, "ip": "b"}], 0, timeout_s=1.0)
-    assert driver._gather("step", [a.call.remote(0.0) for a in actors]) == ["done", "done"]
+    ranks = ray_ranks.RayRanks(actors, None, timeout_s=1.0)
+    ranks.placement = [{"pid": 1, "ip": "a"}, {"pid": 2, "ip": "b"}]
+    assert ranks._gather("step", [a.call.remote(0.0) for a in actors]) == ["done", "done"]
     t0 = time.monotonic()
     with pytest.raises(RankFailed, match=r"step: trainer rank 1 \(Ray actor, pid 2 on b\) did not answer"):
-        driver._gather("step", [actors[0].call.remote(0.0), actors[1].call.remote(600.0)])
+        ranks._gather("step", [actors[0].call.remote(0.0), actors[1].call.remote(600.0)])
     assert time.monotonic() - t0 < 10
-    assert driver.actors == []  # every rank actor was ended with the failure
+    assert ranks.actors == []  # every rank actor was ended with the failure

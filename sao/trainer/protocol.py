@@ -17,8 +17,9 @@
                                     process (sao/runtime/threads.py); None by default
 
 The one-process implementation is `sao.trainer.learner.Learner`; at trainer.ranks > 1 it is
-`sao.trainer.ranks.RankDriver` (rank 0 drives FSDP2 ranks that follow), or with runtime.backend=ray
-`sao.trainer.ray_ranks.RayRankDriver` (every rank a Ray actor). The runtime never reaches into
+`sao.trainer.ranks.RankDriver`, composed with the ranks it commands: `LocalRanks` (this process is rank 0,
+the others follow) or, with runtime.backend=ray, `sao.trainer.ray_ranks.RayRanks` (every rank a Ray
+actor). The runtime never reaches into
 a trainer's models or optimizers, so the loop is the same at 1 and N ranks.
 """
 

@@ -2,9 +2,12 @@
 
     start_trainer_ranks(world, build, args)   this process becomes rank 0; ranks 1..N-1 are spawned
                                               children; every rank builds its learner with build(*args)
-    RankDriver.step / export_weights / save / load / load_state_dict
-                                              broadcast the command (and the batch) to the followers,
-                                              then run it here: every rank runs the same collectives
+    RankDriver(ranks).step / export_weights / save / load / load_state_dict
+                                              the trainer seam, written once over the ranks it commands:
+                                              `LocalRanks` here, Ray rank actors (`RayRanks`,
+                                              sao/trainer/ray_ranks.py) with runtime.backend=ray
+    LocalRanks.call(name, *args)              send the command (and the batch) to the followers, then run
+                                              it here: every rank runs the same collectives
     follow(learner, inbox)                    a follower's loop: receive a command, run it, until close
 
 Commands travel over a pipe from rank 0 to each follower, not through a collective: a follower waits for
@@ -67,29 +70,23 @@ def _follower(rank: int, world: int, port: int, timeout_s: float, build: Callabl
     dist.destroy_process_group()
 
 
-class RankDriver:
-    """The trainer seam on rank 0 (sao/trainer/protocol.py): the same calls as a one-process `Learner`.
+class LocalRanks:
+    """The ranks a `RankDriver` commands when they are local processes: rank 0 is this process (its learner
+    runs the command here), ranks 1..N-1 are spawned followers that read each command from a pipe."""
 
-    Checkpoints: `save_pretrained` writes every rank's shards with DCP into `folder/trainer/` (loadable at
-    any rank count, sao/trainer/sharded_checkpoint.py) and a plain HF folder `folder/actor/` with the full
-    (merged, for LoRA) weights, which `sao eval`, the engines and AutoModelForCausalLM load. `state_dict`
-    holds only what says so: the optimizer states are in the shards."""
-
-    def __init__(self, learner, followers: list, model_path=None, outboxes: list[Connection] = ()):
-        self.learner, self.followers, self.model_path = learner, followers, model_path
+    def __init__(self, learner, followers: list, outboxes: list[Connection] = ()):
+        self.learner, self.followers = learner, followers
         self.outboxes = list(outboxes)  # rank 0's ends of the command pipes, one per follower
-        self.before_pass = None  # the one-process thread hook (sao/runtime/threads.py) has no use here
-
-    looks_ahead = False  # the critic trains inside the ranks' step (critic.placement=colocated)
+        self.world = len(followers) + 1
 
     @property
     def version(self) -> int:
         return self.learner.actor_version
 
-    def look_ahead(self, batch) -> None:
-        raise NotImplementedError("trainer ranks take no batch early (critic.placement=colocated)")
+    def state(self) -> dict:
+        return {}
 
-    def _call(self, name: str, *args, rank0_only: tuple = ()):
+    def call(self, name: str, *args, rank0_only: tuple = ()):
         """Run command `name` on every rank; `rank0_only` arguments are not sent (the command shares them)."""
         try:
             self._send(name, args)
@@ -121,6 +118,51 @@ class RankDriver:
                 return dead
             time.sleep(0.05)
 
+    def close(self, abort: bool = False) -> None:
+        """Stop the followers (politely, or by SIGKILL after a failure) and leave the process group."""
+        if not abort:
+            try:
+                self._send("close", ())
+            except OSError:  # a follower already gone
+                pass
+        for out in self.outboxes:
+            out.close()  # end of file: a follower still waiting for a command returns
+        self.outboxes = []
+        for p in self.followers:
+            p.join(timeout=0 if abort else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankDriver:
+    """The trainer seam on the driver (sao/trainer/protocol.py): the same calls as a one-process `Learner`,
+    run on every rank of `ranks` (`LocalRanks`, or Ray rank actors: sao/trainer/ray_ranks.py `RayRanks`),
+    the answer rank 0's.
+
+    Checkpoints: `save_pretrained` writes every rank's shards with DCP into `folder/trainer/` (loadable at
+    any rank count, sao/trainer/sharded_checkpoint.py) and a plain HF folder `folder/actor/` with the full
+    (merged, for LoRA) weights, which `sao eval`, the engines and AutoModelForCausalLM load. `state_dict`
+    holds only what says so: the optimizer states are in the shards."""
+
+    def __init__(self, ranks, model_path=None):
+        self.ranks, self.model_path = ranks, model_path
+        self.before_pass = None  # the one-process thread hook (sao/runtime/threads.py) has no use here
+
+    looks_ahead = False  # the critic trains inside the ranks' step (critic.placement=colocated)
+
+    @property
+    def version(self) -> int:
+        return self.ranks.version
+
+    def look_ahead(self, batch) -> None:
+        raise NotImplementedError("trainer ranks take no batch early (critic.placement=colocated)")
+
+    def _call(self, name: str, *args, rank0_only: tuple = ()):
+        return self.ranks.call(name, *args, rank0_only=rank0_only)
+
     def step(self, batch) -> dict[str, float]:
         return self._call("step", batch)
 
@@ -131,7 +173,7 @@ class RankDriver:
         return self._call("logprobs", batch)
 
     def state_dict(self) -> dict:
-        return {"sharded": "trainer", "ranks": len(self.followers) + 1}
+        return {"sharded": "trainer", "ranks": self.ranks.world, **self.ranks.state()}
 
     def load_state_dict(self, state: dict) -> None:
         """A sharded checkpoint: nothing here, every rank loaded its shards when it was built
@@ -164,22 +206,8 @@ class RankDriver:
         self._call("load", str(path))
 
     def close(self, abort: bool = False) -> None:
-        """Stop the followers (politely, or by SIGKILL after a failure) and leave the process group."""
-        if not abort:
-            try:
-                self._send("close", ())
-            except OSError:  # a follower already gone
-                pass
-        for out in self.outboxes:
-            out.close()  # end of file: a follower still waiting for a command returns
-        self.outboxes = []
-        for p in self.followers:
-            p.join(timeout=0 if abort else 30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Stop every rank (politely, or at once after a failure). Idempotent."""
+        self.ranks.close(abort)
 
 
 def start_trainer_ranks(world: int, build: Callable, args: tuple, timeout_s: float = 600.0,
@@ -199,4 +227,4 @@ def start_trainer_ranks(world: int, build: Callable, args: tuple, timeout_s: flo
     for inbox, _ in pipes:
         inbox.close()  # the child holds it now: when rank 0 exits, the follower reads end of file
     init_ranks(0, world, port, timeout_s)
-    return RankDriver(build(*args), followers, model_path, [out for _, out in pipes])
+    return RankDriver(LocalRanks(build(*args), followers, [out for _, out in pipes]), model_path)

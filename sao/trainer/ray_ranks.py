@@ -6,9 +6,9 @@
         0's node chooses the rendezvous (its IP from ray.util.get_node_ip_address, a free port there),
         every rank joins with `init_ranks` (gloo on CPU, NCCL when its bundle has a GPU: the same code)
         and builds its learner with build(*args)
-    RayRankDriver
-        the seam (sao/trainer/protocol.py) in the driver process: a `RankDriver` whose calls go to every
-        rank actor at once (the batch is put in the object store once) and whose answer is rank 0's
+    RayRanks
+        what the driver process's `RankDriver` (the seam, sao/trainer/protocol.py) commands: every call goes
+        to every rank actor at once (the batch is put in the object store once), the answer is rank 0's
     start_ray_critic(cfg, ranks, threads, build, args) -> RayCriticGroup
         the separate critic's ranks (critic.placement=separate) as the same actors in a placement group
         of their own: `CriticGroup`'s messages (sao/trainer/critic_ranks.py) as remote calls
@@ -140,25 +140,29 @@ class TrainerRank:
             dist.destroy_process_group()
 
 
-class RayRankDriver(RankDriver):
-    """`RankDriver` over rank actors: the same calls (step, export_weights, logprobs, save, load,
-    save_pretrained), the same sharded checkpoints. `placement` says where each rank runs."""
+class RayRanks:
+    """The ranks a `RankDriver` commands when they are Ray actors: each call goes to every rank actor at once
+    (its arguments put in the object store once) and the answer is rank 0's. `placement` says where each
+    rank runs; it is kept in checkpoints."""
 
-    def __init__(self, actors: list, group, placement: list[dict], version: int, timeout_s: float, model_path=None):
-        super().__init__(None, actors[1:], model_path)
-        self.actors, self.group, self.placement = actors, group, placement
-        self.timeout_s, self._version = timeout_s, version
+    def __init__(self, actors: list, group, timeout_s: float) -> None:
+        self.actors, self.group, self.placement, self.timeout_s = actors, group, [], timeout_s
+        self.world, self._version = len(actors), 0
 
     @property
     def version(self) -> int:
         return self._version
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "placement": self.placement}  # where the ranks ran (node ids, pids)
+    def state(self) -> dict:
+        return {"placement": self.placement}  # where the ranks ran (node ids, pids)
 
-    def _call(self, name: str, *args):
+    def call(self, name: str, *args, rank0_only: tuple = ()):
+        """Run command `name` on every rank; `rank0_only` arguments go to rank 0 alone (the command shares them
+        with the others itself)."""
         ref = ray.put(args)  # once, whatever the number of ranks
-        out, self._version = self._gather(name, [a.call.remote(name, ref) for a in self.actors])[0]
+        first = ray.put(args + rank0_only) if rank0_only else ref
+        out, self._version = self._gather(name, [a.call.remote(name, first if r == 0 else ref)
+                                                 for r, a in enumerate(self.actors)])[0]
         if isinstance(out, tuple) and out[:1] == ("remote",):  # export_weights: a reference, not the bytes
             return RemoteWeights(out[1][0], out[2])
         return tree_map_only(Packed, Packed.tensor, out)
@@ -173,7 +177,7 @@ class RayRankDriver(RankDriver):
 
     def close(self, abort: bool = False) -> None:
         """Leave the process group (politely) and end every rank actor and the placement group."""
-        if not abort:
+        if self.actors and not abort:
             try:
                 ray.get([a.close.remote() for a in self.actors], timeout=30)
             except (RayActorError, RayTaskError, GetTimeoutError):
@@ -182,7 +186,7 @@ class RayRankDriver(RankDriver):
             ray.kill(a)
         if self.group is not None:
             remove_placement_group(self.group)
-        self.actors, self.followers, self.group = [], [], None
+        self.actors, self.group = [], None
 
 
 def gather(name: str, calls: list, timeout_s: float, who: Callable[[int], str], stop: Callable[[], None]) -> list:
@@ -266,13 +270,13 @@ def _build(holder, what: str, timeout_s: float, build: Callable, args: tuple) ->
     return holder._gather("start", [a.start.remote(host, port, timeout_s, build, args) for a in holder.actors])
 
 
-def start_ray_ranks(cfg: TrainerConfig, build: Callable, args: tuple, model_path=None) -> RayRankDriver:
-    """`cfg.ranks` rank actors in a placement group on the connected Ray cluster, joined and built;
-    `build(*args)` (a module-level function: it travels by reference) returns each rank's learner."""
+def start_ray_ranks(cfg: TrainerConfig, build: Callable, args: tuple, model_path=None) -> RankDriver:
+    """`cfg.ranks` rank actors in a placement group on the connected Ray cluster, joined and built, behind a
+    `RankDriver`; `build(*args)` (a module-level function: it travels by reference) returns each rank's learner."""
     actors, group = _place(cfg, cfg.ranks, "trainer.ranks")
-    driver = RayRankDriver(actors, group, [], 0, cfg.timeout_s, model_path)
-    driver._version = _build(driver, "trainer.ranks", cfg.timeout_s, build, args)[0]
-    return driver
+    ranks = RayRanks(actors, group, cfg.timeout_s)
+    ranks._version = _build(ranks, "trainer.ranks", cfg.timeout_s, build, args)[0]
+    return RankDriver(ranks, model_path)
 
 
 class RayCriticGroup(CriticGroup):
