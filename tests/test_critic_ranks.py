@@ -410,3 +410,54 @@ def test_sao_train_with_critic_actors_on_ray_checkpoints_and_resumes_colocated(t
     assert [r["step"] for r in rows] == list(range(1, 7)) and rows[-1]["critic/version"] == 12
     audit_of(run)
     assert not ray_actors("TrainerRank", None) or time.sleep(5) or not ray_actors("TrainerRank", None)
+
+
+@pytest.mark.slow
+def test_trainer_ranks_beside_a_separate_critic_match_colocated_ranks_and_resume(tmp_path):
+    """trainer.ranks=2 with critic.placement=separate: the driver takes each batch's critic results from the
+    critic's process and sends them with the step command, each rank keeping its rows. In sync mode every
+    logged metric equals the colocated 2-rank run's (1e-6; the same batches, since the actor is the same);
+    async, it checkpoints (actor shards, the critic's HF folder and optimizer state) and resumes on 3 ranks
+    beside 2 critic ranks; a checkpoint whose critic sits elsewhere is refused in one line."""
+    from conftest import TINY
+    from faults import audit_of
+    from faults import rows as _rows
+
+    def train(name, *args):
+        proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *TINY, "trainer.ranks=2", "train.steps=4",
+                               f"output.name={name}", *args, "--quiet"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [r for r in _rows(tmp_path / "runs" / name) if "reward/mean" in r]
+
+    ref = train("colocated", "runtime.mode=sync")
+    sep = train("separate", "runtime.mode=sync", "critic.placement=separate")
+    assert [r["step"] for r in sep] == [1, 2, 3, 4] and sep[-1]["critic/version"] == 8
+    for r, s in zip(ref, sep):
+        keys = {k for k, v in r.items() if isinstance(v, float) and not k.startswith(("perf/", "time/", "async/"))
+                and not k.endswith("_s")}
+        assert "critic/value_loss" in keys and keys <= set(s), sorted(keys - set(s))
+        off = {k: (r[k], s[k]) for k in keys if not _same(r[k], s[k])}
+        assert not off, (r["step"], off)
+    run = tmp_path / "runs" / "async"
+    rows = train("async", "critic.placement=separate", "runtime.max_lag=3", "runtime.issue_ahead=3",
+                 "output.save_every=2")
+    assert rows[-1]["critic/version"] == 8 and {r["async/critic_ahead"] for r in rows} <= {0, 1}
+    final = run / "checkpoints" / "final"
+    assert (final / "critic" / "config.json").is_file() and (final / "trainer" / ".metadata").is_file()
+    state = torch.load(final / "trainer_state.pt", weights_only=False)["trainer"]
+    assert state["critic_version"] == 8 and state["critic_opt"]["state"] and state["ranks"] == 2
+
+    def resume(*args):
+        return subprocess.run([sys.executable, "-m", "sao.cli", "train", "--resume", str(run), *args, "--quiet"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+    refused = resume("train.steps=6", "critic.placement=colocated")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "saved by trainer ranks beside a separate critic" in refused.stderr
+    res = resume("train.steps=6", "trainer.ranks=3", "critic.placement=separate", "critic.ranks=2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in _rows(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, 7)) and rows[-1]["critic/version"] == 12
+    assert rows[-1]["train/actor_version"] == rows[3]["train/actor_version"] + 2  # the actor's counters came back
+    audit_of(run)

@@ -97,17 +97,19 @@ def check_ranks(cfg: Config, resume: Path | None = None) -> None:
     if cfg.critic.placement == "separate" and algo.actor_first:
         raise ConfigError(f"critic.placement: algo.name={algo.name} updates the critic after the actor (its importance "
                           "weights need the updated actor), so it cannot run ahead; use critic.placement=colocated")
-    if cfg.critic.placement == "separate" and algo.uses_critic:
-        if n > 1:
-            raise ConfigError(f"critic.placement: separate runs the critic as one process beside one trainer rank "
-                              f"for now; trainer.ranks={n} needs critic.placement=colocated")
-        if resume is not None:
-            from sao.runtime.checkpoint import latest
+    if resume is not None and algo.uses_critic:
+        from sao.runtime.checkpoint import latest
 
-            ckpt = latest(Path(resume))
-            if ckpt is not None and (ckpt / "trainer").is_dir():
-                raise ConfigError(f"critic.placement: {ckpt} was saved by several trainer ranks (sharded); resume "
-                                  "it with critic.placement=colocated")
+        ckpt = latest(Path(resume))
+        sharded = ckpt is not None and (ckpt / "trainer").is_dir()
+        beside = sharded and (ckpt / "critic").is_dir()  # N trainer ranks beside a separate critic wrote it
+        separate = cfg.critic.placement == "separate"
+        if separate and sharded and not beside:
+            raise ConfigError(f"critic.placement: {ckpt} holds the critic in the trainer ranks' shards (saved with "
+                              "critic.placement=colocated); resume it with critic.placement=colocated")
+        if beside and not (separate and n > 1):
+            raise ConfigError(f"critic.placement: {ckpt} was saved by trainer ranks beside a separate critic; resume "
+                              "it with critic.placement=separate and trainer.ranks > 1")
     if n == 1:
         return
     units = cfg.train.batch_size // cfg.algo.group_size if algo.grouped else cfg.train.batch_size

@@ -55,8 +55,7 @@ class Saver:
         self.wait_s, self.checkpoint_s = state["totals"]["wait_s"], state["totals"]["checkpoint_s"]
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
-        if "sharded" not in state["trainer"]:  # else every rank loaded its shards when it was built
-            self.trainer.load_state_dict(state["trainer"])
+        self.trainer.load_state_dict(state["trainer"])  # sharded: what the shards do not hold (a separate critic)
         self.pacing.load_state_dict(state["pacing"])
         self.tasks.load_state_dict(state["tasks"])
         self.queue.load_state_dict(state["queue"])  # its drop counts are the totals' dropped_stale and failed

@@ -28,31 +28,33 @@ from sao.trainer.learner import Learner
 def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None):
     """The trainer behind the seam (sao/trainer/protocol.py): a one-process Learner, or at trainer.ranks=N
     a driver of N FSDP2 ranks (this process is rank 0, sao/trainer/ranks.py; with runtime.backend=ray
-    every rank is a Ray actor, sao/trainer/ray_ranks.py). A checkpoint written at any number of ranks (DCP
-    shards in trainer/, or a one-rank run's HF folders and plain optimizer states) loads into any number of ranks."""
+    every rank is a Ray actor, sao/trainer/ray_ranks.py); with critic.placement=separate either one beside
+    the critic's own ranks (`start_critic`). A checkpoint written at any number of ranks (DCP shards in
+    trainer/, or a one-rank run's HF folders and plain optimizer states) loads into any number of ranks
+    (preflight refuses the placements it cannot: sao/runtime/preflight.py check_ranks)."""
     sharded = ckpt is not None and (ckpt / "trainer").is_dir()
-    if cfg.trainer.ranks > 1:
-        args = (cfg, str(model_path), str(ckpt) if ckpt is not None else None)
-        if cfg.runtime.backend == "ray":  # Ray actors in a placement group; the caller connected to Ray
-            from sao.trainer.ray_ranks import start_ray_ranks
-
-            return start_ray_ranks(cfg.trainer, rank_learner, args, model_path)
-        from sao.trainer.ranks import start_trainer_ranks
-
-        return start_trainer_ranks(cfg.trainer.ranks, rank_learner, args, cfg.trainer.timeout_s, model_path)
     algo = get_algorithm(cfg.algo.name)
-    if algo.uses_critic and cfg.critic.placement == "separate":  # steps 1-3 on the critic's own process
-        args = (cfg, str(model_path), str(ckpt) if ckpt is not None else None)
-        if cfg.runtime.backend == "ray":  # Ray actors placed like trainer ranks; the caller connected to Ray
-            from sao.trainer.ray_ranks import start_ray_critic
+    args = (cfg, str(model_path), str(ckpt) if ckpt is not None else None)
+    critic = start_critic(cfg, args) if algo.uses_critic and cfg.critic.placement == "separate" else None
+    try:
+        if cfg.trainer.ranks > 1:
+            if cfg.runtime.backend == "ray":  # Ray actors in a placement group; the caller connected to Ray
+                from sao.trainer.ray_ranks import start_ray_ranks
 
-            group = start_ray_critic(cfg.trainer, cfg.critic.ranks, cfg.critic.threads, critic_learner, args)
-        else:
-            from sao.trainer.critic_ranks import start_critic_rank
+                driver = start_ray_ranks(cfg.trainer, rank_learner, args, model_path)
+            else:
+                from sao.trainer.ranks import start_trainer_ranks
 
-            group = start_critic_rank(critic_learner, args, cfg.critic.threads, cfg.critic.ranks, cfg.trainer.timeout_s)
-        return Learner(build_actor(cfg, model_path, ckpt), None, algo, cfg.algo, cfg.critic, cfg.train,
-                       dtype=resolve_dtype(cfg.engine.dtype), critic_group=group)
+                driver = start_trainer_ranks(cfg.trainer.ranks, rank_learner, args, cfg.trainer.timeout_s, model_path)
+            driver.critic = critic  # the ranks train the actor; the critic's results travel with each step
+            return driver
+        if critic is not None:  # steps 1-3 on the critic's own process(es)
+            return Learner(build_actor(cfg, model_path, ckpt), None, algo, cfg.algo, cfg.critic, cfg.train,
+                           dtype=resolve_dtype(cfg.engine.dtype), critic_group=critic)
+    except BaseException:
+        if critic is not None:
+            critic.close(abort=True)
+        raise
     actor, critic = build_models(cfg, model_path, ckpt)
     learner = Learner(actor, critic, algo, cfg.algo, cfg.critic, cfg.train, dtype=resolve_dtype(cfg.engine.dtype))
     if sharded:  # saved by N ranks: its shards hold weights, optimizer states and counters
@@ -60,6 +62,18 @@ def build_trainer(cfg: Config, model_path: Path, ckpt: Path | None):
 
         load_sharded(learner, ckpt / "trainer")
     return learner
+
+
+def start_critic(cfg: Config, args: tuple):
+    """critic.placement=separate: the critic's critic.ranks processes (Ray actors with runtime.backend=ray, placed
+    like trainer ranks; the caller connected to Ray), each built by `critic_learner(*args)`."""
+    if cfg.runtime.backend == "ray":
+        from sao.trainer.ray_ranks import start_ray_critic
+
+        return start_ray_critic(cfg.trainer, cfg.critic.ranks, cfg.critic.threads, critic_learner, args)
+    from sao.trainer.critic_ranks import start_critic_rank
+
+    return start_critic_rank(critic_learner, args, cfg.critic.threads, cfg.critic.ranks, cfg.trainer.timeout_s)
 
 
 def rank_learner(cfg: Config, model_path: str, ckpt: str | None):
@@ -74,10 +88,15 @@ def rank_learner(cfg: Config, model_path: str, ckpt: str | None):
 
     quiet_transformers()  # a spawned rank starts with transformers' defaults
     ckpt = Path(ckpt) if ckpt is not None else None
-    actor, critic = build_models(cfg, Path(model_path), ckpt, meta=dist.get_rank() != 0)
+    algo = get_algorithm(cfg.algo.name)
+    elsewhere = algo.uses_critic and cfg.critic.placement == "separate"  # the critic has ranks of its own
+    meta = dist.get_rank() != 0
+    actor, critic = ((build_actor(cfg, Path(model_path), ckpt, meta), None) if elsewhere
+                     else build_models(cfg, Path(model_path), ckpt, meta=meta))
     # one precision policy at 1 and N ranks: bf16 compute over fp32 master weights when engine.dtype says so
-    learner = DistributedLearner(actor, critic, get_algorithm(cfg.algo.name), cfg.algo, cfg.critic, cfg.train,
-                                 mixed_precision=resolve_dtype(cfg.engine.dtype) == torch.bfloat16, from_rank0=True)
+    learner = DistributedLearner(actor, critic, algo, cfg.algo, cfg.critic, cfg.train,
+                                 mixed_precision=resolve_dtype(cfg.engine.dtype) == torch.bfloat16, from_rank0=True,
+                                 critic_elsewhere=elsewhere)
     if ckpt is not None and (ckpt / "trainer").is_dir():
         load_sharded(learner, ckpt / "trainer")
     # else a one-rank checkpoint: weights from its HF folders (build_models); its optimizer states and

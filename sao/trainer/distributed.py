@@ -140,7 +140,8 @@ class DistributedLearner(Learner):
     metrics are global and the same on every rank."""
 
     def __init__(self, actor, critic, algo: Algorithm, algo_cfg: AlgoConfig, critic_cfg: CriticConfig,
-                 train_cfg: TrainConfig, mixed_precision: bool | None = None, from_rank0: bool = False):
+                 train_cfg: TrainConfig, mixed_precision: bool | None = None, from_rank0: bool = False,
+                 critic_elsewhere: bool = False):
         # our models' outputs are never modified in place (sao/models/critic.py returns a view): FSDP2's
         # warning about that would print on every rank at every pass
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -168,12 +169,14 @@ class DistributedLearner(Learner):
             critic = shard(critic)
         # FSDP casts to bf16 itself: the base learner's autocast stays off (dtype float32). No actor: a critic
         # rank (critic.placement=separate, critic.ranks > 1), whose group holds the critic alone
-        super().__init__(shard(actor) if actor is not None else None, critic, algo, algo_cfg, critic_cfg, train_cfg)
+        super().__init__(shard(actor) if actor is not None else None, critic, algo, algo_cfg, critic_cfg, train_cfg,
+                         critic_elsewhere=critic_elsewhere)
         self.reduce = DistReducer()
         self._rows: list[int] = []
         self._global_size = 0
         self._local: Batch | None = None
         self._running_adv: torch.Tensor | None = None
+        self._given: tuple | None = None  # this step's critic results from critic ranks (critic_elsewhere)
         # a critic rank: builds a whole critic on the meta device to save the gathered weights (build.py)
         self.rebuild_critic: Callable[[], torch.nn.Module] | None = None
 
@@ -247,17 +250,36 @@ class DistributedLearner(Learner):
             model.save_pretrained(folder)
         dist.barrier()
 
-    def step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on the whole `batch` (the same on every rank); this rank trains its rows."""
+    def step(self, batch: Batch, critic: tuple | None = None) -> dict[str, float]:
+        """One optimizer step on the whole `batch` (the same on every rank); this rank trains its rows.
+        `critic`: steps 1-3 of the batch as the critic's ranks returned them (the whole batch's advantages,
+        the critic's metrics, its skipped updates), sent by the driver to every rank with the command."""
         self._shard(batch)
         if self.running_mean is not None:  # a stateful baseline: every rank replays the whole batch in order
             heads = batch.heads.nonzero().flatten().tolist()
             self._running_adv = per_row(torch.tensor(self.running_mean.advantages(
                 batch.scalar_rewards[heads].tolist(), [batch.prompt_keys[i] for i in heads])), batch)[self._rows]
         self._local = batch.rows(torch.tensor(self._rows))
-        metrics = super().step(self._local)
+        self._given = critic
+        try:
+            metrics = self._train(self._local)
+        finally:
+            self._given = None
         self._slowest(metrics)
         return metrics
+
+    def _critic_advantages(self, batch: Batch, metrics: dict) -> torch.Tensor:
+        """Steps 1-3 here (colocated), or this rank's rows of what the critic's ranks computed."""
+        if self._given is None:
+            return super()._critic_advantages(batch, metrics)
+        whole, critic_metrics, skipped = self._given
+        critic_metrics = dict(critic_metrics)
+        part = critic_metrics.pop("trace", None)  # per name, one entry per traced row of the whole batch
+        if self.trace is not None and part:
+            self.trace.merge({name: [values[g] for g in self.trace.global_rows] for name, values in part.items()})
+        metrics.update(critic_metrics)
+        self.skipped_in_step += skipped
+        return whole[torch.tensor(self._rows)].to(self.device)
 
     def _trace_rows(self, batch: Batch) -> list[int]:
         return [i for i, g in enumerate(self._rows) if g < batch.trace_rows]

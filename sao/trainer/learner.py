@@ -75,7 +75,8 @@ class Learner:
     learner has no actor (`actor=None`) and runs only `critic_phase`."""
 
     def __init__(self, actor, critic, algo: Algorithm, algo_cfg: AlgoConfig, critic_cfg: CriticConfig,
-                 train_cfg: TrainConfig, dtype: torch.dtype = torch.float32, critic_group=None):
+                 train_cfg: TrainConfig, dtype: torch.dtype = torch.float32, critic_group=None,
+                 critic_elsewhere: bool = False):
         self.actor, self.critic, self.algo = actor.train() if actor is not None else None, critic, algo
         self.critic_group = critic_group
         # the models' device; bf16 = autocast over the float32 master weights the optimizers update (sao/device.py)
@@ -96,7 +97,8 @@ class Learner:
         self.before_pass: Callable[[], None] | None = None
         self.trace: StepTrace | None = None  # this step's per-token record, when the batch asks (trace_rows)
         self._after_actor: tuple[torch.Tensor, torch.Tensor] | None = None  # pact: (v0, returns) for the critic
-        if algo.uses_critic and critic_group is None:
+        # critic_elsewhere: a trainer rank beside critic ranks, given each step's critic results by its driver
+        if algo.uses_critic and critic_group is None and not critic_elsewhere:
             if critic is None:
                 raise ValueError(f"algo.name={algo.name} needs a critic")
             critic.train()
@@ -386,6 +388,9 @@ class Learner:
     def step(self, batch: Batch) -> dict[str, float]:
         if self.critic_group is not None:
             self.critic_group.expect(batch)  # handed over early, or sent now
+        return self._train(batch)
+
+    def _train(self, batch: Batch) -> dict[str, float]:
         with autocast(self.device, self.dtype):
             return self._step(to_device(batch, self.device))
 
@@ -587,6 +592,8 @@ class Learner:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if "sharded" in state:  # saved by N ranks: build_trainer loaded their shards into this learner
+            return
         self.actor_version, self.steps_done = state["actor_version"], state["steps_done"]
         self.load_guard_state(state.get("guard", {}))
         self.actor_opt.load_state_dict(state["actor_opt"])

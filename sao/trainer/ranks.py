@@ -21,6 +21,7 @@ in a collective past the timeout) fails rank 0's next command with `RankFailed` 
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -30,7 +31,7 @@ from sao.trainer.launch import RankFailed, free_port, never_outlive_parent
 from sao.trainer.sharded_checkpoint import load_one_process, load_sharded, save_sharded
 
 COMMANDS: dict[str, Callable] = {
-    "step": lambda learner, batch: learner.step(batch),
+    "step": lambda learner, batch, critic=None: learner.step(batch, critic),  # critic: the critic ranks' results
     "export_weights": lambda learner: learner.export_weights(),
     "logprobs": lambda learner, batch: learner.logprobs(batch),
     "save": save_sharded,
@@ -109,8 +110,6 @@ class LocalRanks:
     def _dead(self, grace_s: float = 2.0) -> list[tuple[int, int | None]]:
         """(rank, exit code) of the followers that exited. A killed rank's sockets close before its exit
         can be reaped, so rank 0 may see the broken collective first: wait up to `grace_s` for a death."""
-        import time
-
         deadline = time.monotonic() + grace_s
         while True:
             dead = [(i + 1, p.exitcode) for i, p in enumerate(self.followers) if not p.is_alive()]
@@ -145,26 +144,39 @@ class RankDriver:
     Checkpoints: `save_pretrained` writes every rank's shards with DCP into `folder/trainer/` (loadable at
     any rank count, sao/trainer/sharded_checkpoint.py) and a plain HF folder `folder/actor/` with the full
     (merged, for LoRA) weights, which `sao eval`, the engines and AutoModelForCausalLM load. `state_dict`
-    holds only what says so: the optimizer states are in the shards."""
+    holds only what says so: the optimizer states are in the shards.
 
-    def __init__(self, ranks, model_path=None):
-        self.ranks, self.model_path = ranks, model_path
+    `critic`: the critic's own ranks (critic.placement=separate; a `CriticGroup`, sao/trainer/critic_ranks.py,
+    or Ray's `RayCriticGroup`), one batch ahead: the driver takes each batch's critic results from them and
+    sends them with the step command, each trainer rank keeping its rows. The critic then checkpoints as one
+    process does (an HF folder `folder/critic/` and its optimizer state in `state_dict`)."""
+
+    def __init__(self, ranks, model_path=None, critic=None):
+        self.ranks, self.model_path, self.critic = ranks, model_path, critic
         self.before_pass = None  # the one-process thread hook (sao/runtime/threads.py) has no use here
 
-    looks_ahead = False  # the critic trains inside the ranks' step (critic.placement=colocated)
+    @property
+    def looks_ahead(self) -> bool:
+        return self.critic is not None  # colocated, the critic trains inside the ranks' step
 
     @property
     def version(self) -> int:
         return self.ranks.version
 
     def look_ahead(self, batch) -> None:
-        raise NotImplementedError("trainer ranks take no batch early (critic.placement=colocated)")
+        self.critic.submit(batch)
 
     def _call(self, name: str, *args, rank0_only: tuple = ()):
         return self.ranks.call(name, *args, rank0_only=rank0_only)
 
     def step(self, batch) -> dict[str, float]:
-        return self._call("step", batch)
+        if self.critic is None:
+            return self._call("step", batch)
+        self.critic.expect(batch)  # handed over early, or sent now
+        t = time.perf_counter()
+        advantages, metrics, skipped = self.critic.result()
+        metrics["perf/critic_wait_s"] = time.perf_counter() - t  # what of the critic's time was not hidden
+        return self._call("step", batch, (advantages, metrics, skipped))
 
     def export_weights(self) -> list:
         return self._call("export_weights")
@@ -173,7 +185,8 @@ class RankDriver:
         return self._call("logprobs", batch)
 
     def state_dict(self) -> dict:
-        return {"sharded": "trainer", "ranks": self.ranks.world, **self.ranks.state()}
+        critic = self.critic.state_dict() if self.critic is not None else {}  # critic_version, critic_opt
+        return {"sharded": "trainer", "ranks": self.ranks.world, **self.ranks.state(), **critic}
 
     def load_state_dict(self, state: dict) -> None:
         """A sharded checkpoint: nothing here, every rank loaded its shards when it was built
@@ -181,6 +194,8 @@ class RankDriver:
         from this rank to all (1 -> N; the weights came from the checkpoint's HF folders)."""
         if "sharded" not in state:
             self._call("load_one_process", rank0_only=(state,))
+        if self.critic is not None and "critic_opt" in state:  # preflight: only a checkpoint saved like this
+            self.critic.load_state_dict({"critic_version": state["critic_version"], "critic_opt": state["critic_opt"]})
 
     def save_pretrained(self, folder, tokenizer, merged: bool = False) -> None:
         from pathlib import Path
@@ -198,6 +213,8 @@ class RankDriver:
                 p.copy_(w.to(p.device, p.dtype).view_as(p))
         model.save_pretrained(folder / "actor")
         tokenizer.save_pretrained(folder / "actor")
+        if self.critic is not None:
+            self.critic.save_pretrained(folder / "critic")
 
     def save(self, path) -> None:
         self._call("save", str(path))
@@ -206,8 +223,10 @@ class RankDriver:
         self._call("load", str(path))
 
     def close(self, abort: bool = False) -> None:
-        """Stop every rank (politely, or at once after a failure). Idempotent."""
+        """Stop every rank, the critic's too (politely, or at once after a failure). Idempotent."""
         self.ranks.close(abort)
+        if self.critic is not None:
+            self.critic.close(abort)
 
 
 def start_trainer_ranks(world: int, build: Callable, args: tuple, timeout_s: float = 600.0,
