@@ -409,6 +409,16 @@ def test_sao_train_with_critic_actors_on_ray_checkpoints_and_resumes_colocated(t
     rows = [r for r in _rows(run) if "reward/mean" in r]
     assert [r["step"] for r in rows] == list(range(1, 7)) and rows[-1]["critic/version"] == 12
     audit_of(run)
+    # trainer ranks as Ray actors too, beside the critic's: both groups placed on the cluster
+    proc = subprocess.run([sys.executable, "-m", "sao.cli", "train", *TINY, "critic.placement=separate",
+                           "trainer.ranks=2", "runtime.backend=ray", f"runtime.ray_address={ray_address}",
+                           "train.steps=3", "output.name=rr", "--quiet"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in _rows(tmp_path / "runs" / "rr") if "reward/mean" in r]
+    assert [r["critic/version"] for r in rows] == [2, 4, 6]
+    state = torch.load(tmp_path / "runs" / "rr" / "checkpoints" / "final" / "trainer_state.pt", weights_only=False)
+    assert len(state["trainer"]["placement"]) == 2 and state["trainer"]["critic_opt"]["state"]
     assert not ray_actors("TrainerRank", None) or time.sleep(5) or not ray_actors("TrainerRank", None)
 
 
