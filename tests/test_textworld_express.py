@@ -99,6 +99,16 @@ def test_held_out_games_never_equal_training_games_and_episodes_play_to_a_win(tm
     assert len(list(tmp_path.glob("textworld-express-*.json"))) == 1
 
 
+def test_parameters_the_engine_refuses_are_one_line(tmp_path, sao_cli):
+    for option, said in (("env.options.game=chess", "env.options.game: 'chess' is not a TextWorldExpress game"),
+                         ("env.options.game_params=numLocations=99", "cannot make coin games with 'numLocations=99': "
+                                                                     "Number of locations must be less than or equal to 11")):
+        proc = sao_cli("train", "env.name=textworld_express", option, f"env.options.cache_dir={tmp_path}", "--quiet",
+                       cwd=tmp_path)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert said in proc.stderr, proc.stderr
+
+
 def test_a_length_no_game_has_is_one_line(tmp_path, sao_cli):
     proc = sao_cli("train", "env.name=textworld_express", "env.options.solution_length=40",
                    "env.options.max_search_states=3", "env.options.num_train_games=1",

@@ -152,9 +152,17 @@ def _prepare_fold(engine, options, fold: str, n: int, skip: set[str]) -> list[di
     fingerprint is not in `skip`, among its first max(64, 16 n) seeds (each costs a search)."""
     valid = {"train": engine.getValidSeedsTrain, "test": engine.getValidSeedsTest}[fold]()
     tried = valid[: max(64, 16 * n)]
-    games = []
+    if options.game not in engine.getGameNames():
+        raise ValueError(f"env.options.game: {options.game!r} is not a TextWorldExpress game "
+                         f"({', '.join(engine.getGameNames())})")
+    games, refused = [], ""
     for seed in tried:
-        obs, infos = _reset(engine, options, fold, seed)
+        try:
+            obs, infos = _reset(engine, options, fold, seed)
+        except Exception as e:  # py4j's Py4JJavaError: the engine cannot make this seed's game with these params
+            refused = refused or next((line.split("ERROR:")[-1].strip() for line in str(e).splitlines()
+                                       if "Exception" in line), str(e).splitlines()[0])
+            continue
         fingerprint = hashlib.sha256(f"{infos['taskDescription']}\n{obs}".encode()).hexdigest()[:16]
         if fingerprint in skip:
             continue
@@ -165,6 +173,9 @@ def _prepare_fold(engine, options, fold: str, n: int, skip: set[str]) -> list[di
         skip.add(fingerprint)
         if len(games) == n:
             return games
+    if refused and not games:
+        raise ValueError(f"env.options.game_params: the engine cannot make {options.game} games with "
+                         f"{options.game_params!r}: {refused[:200]}")
     length = f" of {options.solution_length} commands" if options.solution_length else ""
     raise ValueError(f"env.options: among the first {len(tried)} games of the {fold} fold of {options.game} "
                      f"({options.game_params}) {len(games)} have a shortest solution{length} within max_search_states="
