@@ -186,7 +186,7 @@ class TextWorldEpisode:
     def _match(self, action: str) -> str | None:
         said = re.sub(r"\s+", " ", action.strip()).lower()
         admissible = self.state["admissible_commands"]
-        if self.options.commands == "numbered" and said.isdigit():
+        if self.options.commands == "numbered" and said.isascii() and said.isdigit() and len(said) <= 3:
             shown = listed_commands(admissible, self.options)
             return shown[int(said) - 1] if 1 <= int(said) <= len(shown) else None
         return next((c for c in admissible if c.lower() == said), None)

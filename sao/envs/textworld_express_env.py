@@ -21,7 +21,9 @@ Demonstrations (the SFT warm start) are computed by sao: the engine's own gold p
 `shortest_path` searches breadth-first over the game's states (a state: what `look` and `inventory` say,
 with the score), expanding the valid actions in sorted order and reaching each state by replaying its
 commands from a reset (the engine has no cheaper copy), so the first winning path is a shortest one and
-the same in every process. Preparing the games (a search per game, ~1-3 s each) is cached in `cache_dir`,
+the same in every process. It is a shortest path when what `look` and `inventory` say is the whole state
+(coin and mapreader without doors); with state out of sight (doors, closed containers) two states can look
+alike and the path found may be longer. Preparing the games (a search per game, ~1-3 s each) is cached in `cache_dir`,
 keyed by the settings.
 
 Reward: 1 when the task succeeds, 0 otherwise (sparse; the engine's partial score is reported in info).
@@ -82,9 +84,22 @@ def _engine():
     return TextWorldExpressEnv(envStepLimit=1000)
 
 
+POOL_SIZE = 16  # idle engines kept per process; more are closed (a JVM each)
+
+
 def _release(engine) -> None:
     with _POOL_LOCK:
-        _POOL.append(engine)
+        if len(_POOL) < POOL_SIZE:
+            _POOL.append(engine)
+            return
+    _close(engine)
+
+
+def _close(engine) -> None:
+    try:
+        engine.close()
+    except Exception:  # noqa: BLE001 - a dead JVM has nothing left to close
+        pass
 
 
 def _reset(engine, options: TextWorldExpressOptions, fold: str, seed: int) -> tuple[str, dict]:
@@ -160,8 +175,9 @@ def _prepare_fold(engine, options, fold: str, n: int, skip: set[str]) -> list[di
         try:
             obs, infos = _reset(engine, options, fold, seed)
         except Exception as e:  # py4j's Py4JJavaError: the engine cannot make this seed's game with these params
-            refused = refused or next((line.split("ERROR:")[-1].strip() for line in str(e).splitlines()
-                                       if "Exception" in line), str(e).splitlines()[0])
+            lines = str(e).splitlines() or [type(e).__name__]
+            refused = refused or next((line.split("ERROR:")[-1].strip() for line in lines if "Exception" in line),
+                                      lines[0])
             continue
         fingerprint = hashlib.sha256(f"{infos['taskDescription']}\n{obs}".encode()).hexdigest()[:16]
         if fingerprint in skip:
@@ -223,7 +239,7 @@ class TextWorldExpressEpisode:
     def _match(self, action: str) -> str | None:
         said = re.sub(r"\s+", " ", action.strip()).lower()
         shown = commands(self.infos)[: self.options.max_commands]
-        if said.isdigit():
+        if said.isascii() and said.isdigit() and len(said) <= 3:  # "²" or 5000 digits: an invalid command
             return shown[int(said) - 1] if 1 <= int(said) <= len(shown) else None
         return next((c for c in self.infos["validActions"] if c.lower() == said), None)
 
@@ -234,7 +250,12 @@ class TextWorldExpressEpisode:
             return StepResult("(invalid) " + observe(self.infos["observation"], self.infos, self.options), 0.0, False,
                               {**self.counts, "won": 0.0})
         self.counts["moves"] += 1
-        obs, _, _, self.infos = self.engine.step(command)
+        try:
+            obs, _, _, self.infos = self.engine.step(command)
+        except Exception:  # the engine (its JVM) failed: never back in the pool; the episode ends env_error
+            engine, self.engine = self.engine, None
+            _close(engine)
+            raise
         won = bool(self.infos["tasksuccess"])
         info = {**self.counts, "won": float(won), "score": float(self.infos["score"])}
         if won or self.infos["taskfailure"]:

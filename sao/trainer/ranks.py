@@ -164,6 +164,8 @@ class RankDriver:
         return self.ranks.version
 
     def look_ahead(self, batch) -> None:
+        if self.critic is None:
+            raise NotImplementedError("trainer ranks take no batch early (critic.placement=colocated)")
         self.critic.submit(batch)
 
     def _call(self, name: str, *args, rank0_only: tuple = ()):

@@ -309,6 +309,8 @@ class RayCriticGroup(CriticGroup):
                            for r, a in enumerate(self.actors)])
 
     def _receive(self, name: str):
+        if not self.actors or not self.calls:  # ended after an earlier failure
+            raise RankFailed(f"{name}: the critic's Ray actors are gone")
         out, _ = self._gather(name, self.calls.pop(0))[0]
         return tree_map_only(Packed, Packed.tensor, out)
 
