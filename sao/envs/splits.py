@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import random
 from collections.abc import Callable, Iterator
 
 from pydantic import Field
@@ -67,3 +68,17 @@ def distinct_tasks(stream: Iterator[Task], n: int, patience: int = 1000) -> list
             seen[task.prompt], misses = task, 0
     unique = list(seen.values())
     return [unique[i % len(unique)] for i in range(n)]
+
+
+def in_turn(tasks: list[Task], n: int) -> list[Task]:
+    """`tasks` in order, repeated in turn up to n (a fixed held-out set evaluated n times)."""
+    return [tasks[i % len(tasks)] for i in range(n)]
+
+
+def reshuffled(tasks: list[Task], seed: int) -> Iterator[Task]:
+    """Endless stream of `tasks`, reshuffled every pass with `seed` (a fixed training set)."""
+    rng = random.Random(seed)
+    while True:
+        order = list(tasks)
+        rng.shuffle(order)
+        yield from order

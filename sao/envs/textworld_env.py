@@ -54,6 +54,7 @@ from pydantic import Field
 
 from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
 from sao.envs.latency import LatencyOptions, with_latency
+from sao.envs.splits import in_turn, reshuffled
 from sao.envs.textworld_games import (
     TEXTWORLD_LOCK,
     GameRecord,
@@ -238,15 +239,11 @@ class TextWorldEnvironment:
 
     def eval_tasks(self, n: int) -> list[Task]:
         """The held-out games in order, repeated in turn up to n."""
-        return [self.heldout[i % len(self.heldout)] for i in range(n)]
+        return in_turn(self.heldout, n)
 
     def train_tasks(self) -> Iterator[Task]:
         """Endless stream of training games, reshuffled every pass with the run's seed."""
-        rng = random.Random(self.seed)
-        while True:
-            order = list(self.train)
-            rng.shuffle(order)
-            yield from order
+        return reshuffled(self.train, self.seed)
 
     def new_episode(self, ctx: EpisodeContext) -> TextWorldEpisode:
         return with_latency(TextWorldEpisode(self.options), self.options, self._latency_rng)

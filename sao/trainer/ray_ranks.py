@@ -177,15 +177,7 @@ class RayRanks:
 
     def close(self, abort: bool = False) -> None:
         """Leave the process group (politely) and end every rank actor and the placement group."""
-        if self.actors and not abort:
-            try:
-                ray.get([a.close.remote() for a in self.actors], timeout=30)
-            except (RayActorError, RayTaskError, GetTimeoutError):
-                pass
-        for a in self.actors:
-            ray.kill(a)
-        if self.group is not None:
-            remove_placement_group(self.group)
+        _end(self.actors, self.group, abort)
         self.actors, self.group = [], None
 
 
@@ -225,6 +217,20 @@ def gather(name: str, calls: list, timeout_s: float, who: Callable[[int], str], 
     if not isinstance(error, dist.DistError):
         raise error
     raise RankFailed(f"{name}: a collective failed: {str(error).splitlines()[0] if str(error) else error!r}")
+
+
+def _end(actors: list, group, abort: bool) -> None:
+    """Rank actors leave their process group (unless `abort`: after a failure it may hang), are killed, and
+    their placement group is removed."""
+    if actors and not abort:
+        try:
+            ray.get([a.close.remote() for a in actors], timeout=30)
+        except (RayActorError, RayTaskError, GetTimeoutError):
+            pass
+    for a in actors:
+        ray.kill(a)
+    if group is not None:
+        remove_placement_group(group)
 
 
 def _drain(refs: list, timeout_s: float = 5.0) -> None:
@@ -316,15 +322,7 @@ class RayCriticGroup(CriticGroup):
 
     def close(self, abort: bool = False) -> None:
         """Leave the critic's process group and end its actors and placement group. Idempotent."""
-        if self.actors and not abort:
-            try:
-                ray.get([a.close.remote() for a in self.actors], timeout=30)
-            except (RayActorError, RayTaskError, GetTimeoutError):
-                pass
-        for a in self.actors:
-            ray.kill(a)
-        if self.group is not None:
-            remove_placement_group(self.group)
+        _end(self.actors, self.group, abort)
         self.actors, self.group, self.calls = [], None, []
 
 
