@@ -47,6 +47,13 @@ class ModelConfig(Section):
         "attention accepts (it rejects e.g. 24), so the default model runs on both engines"))
     intermediate_size: int = Field(256, ge=8, description="built-in model MLP width")
     max_positions: int = Field(512, ge=32, description="built-in model context length")
+    tokenizer: Literal["char", "bpe"] = Field("char", description=(
+        "built-in model tokenizer: char (one token per character) or bpe (a byte-level BPE of bpe_vocab_size "
+        "tokens learned from the environment's training demonstrations, words as one token each: episodes ~4x "
+        "shorter)"))
+    bpe_vocab_size: int = Field(1024, ge=384, le=65536, description=(
+        "model.tokenizer=bpe: vocabulary size, the 256 bytes and special tokens included (fewer when the demonstrations repeat "
+        "too little to learn more merges)"))
     cache_dir: str = Field(".sao_cache", description="where built and SFT-warm-started models are cached")
 
     @model_validator(mode="after")

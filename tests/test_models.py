@@ -95,3 +95,61 @@ def test_a_critic_of_the_actors_first_layers(tmp_path, arch):
     assert len(again.model.layers) == 1
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(critic_values(critic, ids, None), critic_values(again, ids, None))
+
+
+# -- model.tokenizer=bpe ---------------------------------------------------------------------------
+_BPE_TEXTS = ["<|im_start|>user\nYou are in the kitchen. To the North you see the pantry.\ncan: 1 move east, "
+              f"2 move north, 3 take coin<|im_end|>\n<|im_start|>assistant\n{k % 3 + 1}<|im_end|>\n" for k in range(40)]
+
+
+def test_bpe_tokenizer_keeps_words_whole_and_round_trips_any_text(tmp_path):
+    from sao.models.tiny import build_tiny_model
+    from sao.models.tokenizer import build_bpe_tokenizer
+
+    tok = build_bpe_tokenizer(_BPE_TEXTS, 400)
+    folder = build_tiny_model(tmp_path / "m", hidden_size=16, num_layers=1, num_heads=2, intermediate_size=16,
+                              tokenizer=tok)
+    loaded = load_tokenizer(folder)
+    assert loaded.convert_ids_to_tokens(loaded.encode(" move north, 2", add_special_tokens=False)) == [
+        "Ġmove", "Ġnorth", ",", "Ġ2"]  # a word (and a number) is one token
+    for text in ("héllo ünïcode ²\x00 \t end\n", "<calc>37*12</calc>  <result>444</result>", _BPE_TEXTS[0]):
+        assert loaded.decode(loaded.encode(text, add_special_tokens=False)) == text  # bytes never seen: still exact
+    assert len(loaded.encode("<calc><|im_end|>", add_special_tokens=False)) == 2  # tags and specials: one token
+    codec = ChatCodec(loaded)
+    assert codec.eos_text == "<|im_end|>" and codec.action_text(codec.action_ids("2")) == "2"
+
+
+def test_bpe_tokenizer_is_the_same_in_every_process(tmp_path):
+    """The SFT cache key holds the settings, not the vocabulary: two processes (string hashing seeded
+    differently) must learn the same merges from the same texts."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = ("import json, sys; from sao.models.tokenizer import build_bpe_tokenizer; "
+              "texts = json.loads(sys.stdin.read()); "
+              "print(build_bpe_tokenizer(texts, 400).backend_tokenizer.to_str())")
+    out = [subprocess.run([sys.executable, "-c", script], input=json.dumps(_BPE_TEXTS), capture_output=True,
+                          text=True, check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+           for seed in ("1", "2")]
+    assert out[0] == out[1] and '"Ġnorth"' in out[0]
+
+
+def test_a_bpe_model_is_sft_trained_on_shorter_episodes_under_its_own_cache_key(tmp_path):
+    import random
+
+    from sao.config import load_config
+    from sao.envs import make_environment
+    from sao.runtime.model_setup import base_model_key, prepare_base_model
+
+    small = ["sft.steps=2", "sft.batch_size=2", "model.hidden_size=32", "model.num_heads=2", "model.num_layers=1",
+             "model.intermediate_size=64", f"model.cache_dir={tmp_path}"]
+    char, bpe = load_config(None, small), load_config(None, [*small, "model.tokenizer=bpe", "model.bpe_vocab_size=400"])
+    assert base_model_key(char) != base_model_key(bpe)
+    path, built = prepare_base_model(bpe)
+    assert built and len(load_tokenizer(path)) == 400
+    env = make_environment(bpe.env.name, bpe.env.options, 0)
+    demo = env.demo(next(env.train_tasks()), random.Random(0))
+    lengths = [len(demo_example(ChatCodec(t), demo)[0]) for t in (build_char_tokenizer(), load_tokenizer(path))]
+    assert lengths[1] < 0.7 * lengths[0], lengths

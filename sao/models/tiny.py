@@ -1,5 +1,6 @@
 """Built-in tiny models: a Llama- or Qwen2-architecture `transformers` model from a small config,
-with the project's own character tokenizer. Randomly initialized here; `sao sft` warm-starts it.
+with the project's own character tokenizer (or a BPE learned from an environment's demonstrations).
+Randomly initialized here; `sao sft` warm-starts it.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from sao.models.tokenizer import build_char_tokenizer
 
@@ -21,9 +22,11 @@ def build_tiny_model(
     intermediate_size: int = 384,
     max_positions: int = 512,
     seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> Path:
-    """Write a randomly initialized tiny model + tokenizer to `out_dir` in HF layout."""
-    tok = build_char_tokenizer()
+    """Write a randomly initialized tiny model + tokenizer (the built-in character one unless given) to
+    `out_dir` in HF layout."""
+    tok = tokenizer if tokenizer is not None else build_char_tokenizer()
     common = dict(
         vocab_size=len(tok),
         hidden_size=hidden_size,

@@ -179,6 +179,19 @@ def build_child() -> None:
     send("done")
 
 
+BPE_DEMOS = 512  # training demonstrations a model.tokenizer=bpe vocabulary is learned from
+
+
+def bpe_from_demos(environment, vocab_size: int, seed: int):
+    """model.tokenizer=bpe: a byte-level BPE learned from the chat-rendered demonstrations of the first
+    BPE_DEMOS training tasks (a game repeats after its split's size; held-out tasks are never read)."""
+    from sao.models.tokenizer import build_bpe_tokenizer, build_char_tokenizer
+
+    render, rng, tasks = build_char_tokenizer().apply_chat_template, random.Random(seed), environment.train_tasks()
+    texts = [render(environment.demo(next(tasks), rng), tokenize=False) for _ in range(BPE_DEMOS)]
+    return build_bpe_tokenizer(texts, vocab_size)
+
+
 def _build(cfg: Config, tmp: Path, on_step) -> None:
     """The tiny model, SFT-trained, into `tmp`; sft.json (the manifest of every other file) last."""
     # demos drawn with sft.seed: the cached model must not depend on the train.seed of the run that built it
@@ -187,9 +200,10 @@ def _build(cfg: Config, tmp: Path, on_step) -> None:
         raise ConfigError(f"env.name: environment {cfg.env.name!r} has no demo() for the SFT warm start; "
                           "give model.path")
     m = cfg.model
+    tokenizer = bpe_from_demos(environment, m.bpe_vocab_size, cfg.sft.seed) if m.tokenizer == "bpe" else None
     try:
         build_tiny_model(tmp, m.arch, m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size,
-                         m.max_positions, seed=cfg.sft.seed)
+                         m.max_positions, seed=cfg.sft.seed, tokenizer=tokenizer)
     except Exception as exc:  # a full disk: OSError, or safetensors' own error
         raise write_failure(f"SFT cache entry {tmp}", exc) from None
     model, codec = load_model(tmp), ChatCodec(load_tokenizer(tmp))
