@@ -172,3 +172,16 @@ def test_commands_are_listed_and_numbered_demos_win(tmp_path, tiny, commands):
     ep = env.new_episode(None)
     ep.reset(env.train[0])
     assert ep.step("99").observation.startswith("(invalid) ") and ep.counts["invalid_commands"] == 1
+
+
+def test_goal_steps_spells_out_the_walkthrough_for_training_and_heldout_games_alike(tmp_path):
+    last, steps = _env(tmp_path, commands="numbered"), _env(tmp_path, commands="numbered", goal="steps")
+    for a, b in zip(last.train + last.heldout, steps.train + steps.heldout):
+        walkthrough = a.meta["walkthrough"]
+        assert a.prompt.split("\n")[0] == f"goal: {walkthrough[-1]}"
+        assert b.prompt.split("\n")[0] == f"goal: {walkthrough[-1]}. steps: {', '.join(walkthrough)}."
+        assert a.prompt.split("\n")[1:] == b.prompt.split("\n")[1:]  # the same game: only the goal line differs
+    # the same generated games (the goal is how they are shown, not which): no second generation
+    assert last.folder == steps.folder
+    demo = steps.demo(steps.train[0], random.Random(0))
+    assert demo[0]["content"] == steps.train[0].prompt

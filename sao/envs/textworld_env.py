@@ -11,9 +11,13 @@ training and held-out games by seed). An episode, within the agent loop's turn l
     ...                                                   (the episode ends when the game is won)
 
 The goal is the walkthrough's last command (what TextWorld's objective says with only the last action
-kept); the model must find the way there itself. Commands are matched to the game's admissible
-commands ignoring case and repeated spaces; anything else changes nothing and the observation says
-`(invalid)`.
+kept); the model must find the way there itself. With `goal=steps` it lists every command of the
+walkthrough in order, as TextWorld's own objective spells out each step: the task is then to follow
+instructions over the whole quest (each command picked in its turn from what the room offers), not to
+explore; `benchmarks/results/horizon/start.md` measures what each makes of a small model.
+
+Commands are matched to the game's admissible commands ignoring case and repeated spaces; anything
+else changes nothing and the observation says `(invalid)`.
 
 Compact observation (what a small model can read; `observation_chars` bounds it, 200 by default):
 the room, what is visible in it (objects on the floor, on supporters, in open containers; closed or
@@ -88,6 +92,10 @@ class TextWorldOptions(LatencyOptions):
         "commands (`can: ...`); numbered: the same list numbered (`can: 1 go north, 2 take key`) and the model may "
         "answer with a number. Look, inventory and examine are left out; at most max_commands are listed"))
     max_commands: int = Field(9, ge=1, le=99, description="admissible commands listed when commands is not hidden")
+    goal: Literal["last", "steps"] = Field("last", description=(
+        "last: the goal is the walkthrough's last command, the way there is the model's to find (an exploration "
+        "task); steps: the goal lists the walkthrough's commands in order (`goal: put key on table. steps: go "
+        "east, take key, ...`), as TextWorld's own objective spells out every step (an instruction-following task)"))
     cache_dir: str = Field(".sao_cache", description="where generated games are cached, keyed by their settings")
 
 
@@ -166,7 +174,10 @@ def observe(state_facts: list[list], admissible: list[str], options: TextWorldOp
     return render(state_facts, options) + commands_text(admissible, options)
 
 
-def goal_text(record: GameRecord) -> str:
+def goal_text(record: GameRecord, options: TextWorldOptions) -> str:
+    """The first line of the prompt (options.goal)."""
+    if options.goal == "steps":
+        return f"goal: {record.walkthrough[-1]}. steps: {', '.join(record.walkthrough)}."
     return f"goal: {record.walkthrough[-1]}"
 
 
@@ -232,7 +243,7 @@ class TextWorldEnvironment:
     def _task(self, record: GameRecord) -> Task:
         hidden = self.options.commands == "hidden"
         commands = [[]] * len(record.states) if hidden else walkthrough_commands(record)
-        prompt = f"{goal_text(record)}\n{observe(record.states[0], commands[0], self.options)}"
+        prompt = f"{goal_text(record, self.options)}\n{observe(record.states[0], commands[0], self.options)}"
         return Task(id=f"tw-{record.split}-{record.seed}", prompt=prompt, answer=None,
                     meta={"path": record.path, "split": record.split, "walkthrough": list(record.walkthrough),
                           "states": record.states, "commands": commands, "fingerprint": record.fingerprint})
