@@ -60,6 +60,10 @@ class ModelConfig(Section):
     def _heads(self) -> ModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError("hidden_size must be divisible by num_heads")
+        if self.tokenizer == "bpe" and self.arch == "qwen2":
+            # AutoTokenizer rebuilds a Qwen2 folder's BPE with Qwen2's own pre-tokenizer: other tools (vLLM)
+            # would split text into other tokens than sao does
+            raise ValueError("tokenizer=bpe needs arch=llama (AutoTokenizer splits a qwen2 folder's BPE differently)")
         return self
 
 

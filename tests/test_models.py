@@ -117,6 +117,15 @@ def test_bpe_tokenizer_keeps_words_whole_and_round_trips_any_text(tmp_path):
     assert len(loaded.encode("<calc><|im_end|>", add_special_tokens=False)) == 2  # tags and specials: one token
     codec = ChatCodec(loaded)
     assert codec.eos_text == "<|im_end|>" and codec.action_text(codec.action_ids("2")) == "2"
+    from transformers import AutoTokenizer  # what vLLM loads: the same tokens (a qwen2 folder would not be)
+
+    text = _BPE_TEXTS[0] + " 12 34 héllo"
+    assert AutoTokenizer.from_pretrained(str(folder)).encode(text, add_special_tokens=False) == loaded.encode(
+        text, add_special_tokens=False)
+    from sao.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="tokenizer=bpe needs arch=llama"):
+        load_config(None, ["model.tokenizer=bpe", "model.arch=qwen2"])
 
 
 def test_bpe_tokenizer_is_the_same_in_every_process(tmp_path):
