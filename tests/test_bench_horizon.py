@@ -26,6 +26,7 @@ def test_horizon_experiment_covers_every_algorithm_and_quest_length():
     assert "env.options.num_heldout_games=128" in exp.overrides
     # the setting whose starting policy wins at every length (benchmarks/results/horizon/start.md)
     assert {"env.options.goal=steps", "model.tokenizer=bpe"} <= set(exp.overrides)
+    assert any(o.startswith("env.options.sft_games=") for o in exp.overrides)  # RL plays games the SFT never saw
     turns = {name: int(next(o for o in v if o.startswith("rollout.max_turns=")).split("=")[1])
              for name, v in exp.variants.items()}
     assert all(turns[n] == 2 * int(length[n]) for n in exp.variants)  # twice the shortest solution

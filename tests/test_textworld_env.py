@@ -185,3 +185,22 @@ def test_goal_steps_spells_out_the_walkthrough_for_training_and_heldout_games_al
     assert last.folder == steps.folder
     demo = steps.demo(steps.train[0], random.Random(0))
     assert demo[0]["content"] == steps.train[0].prompt
+
+
+def test_sft_games_keeps_the_warm_starts_games_apart_from_rls(tmp_path):
+    """An SFT that memorized its games leaves RL reward 1 on every one of them (no signal): with sft_games the
+    SFT learns from the first N training games and RL plays only the others."""
+    from itertools import islice
+
+    from sao.runtime.model_setup import demo_tasks
+
+    env = _env(tmp_path, sft_games=3)
+    sft = {t.id for t in islice(demo_tasks(env), 12)}
+    rl = {t.id for t in islice(env.train_tasks(), 12)}
+    assert len(sft) == 3 and len(rl) == 1 and not sft & rl
+    assert sft | rl == {t.id for t in _env(tmp_path).train}  # together: every training game
+    shared = _env(tmp_path)
+    assert {t.id for t in islice(demo_tasks(shared), 12)} == {t.id for t in islice(shared.train_tasks(), 12)}
+    env.demo(next(iter(env.train)), random.Random(0))  # RL's games still have walkthroughs (the bench's pretraining)
+    with pytest.raises(ValueError, match=r"sft_games \(4\) must be below num_train_games \(4\)"):
+        _env(tmp_path, sft_games=4)

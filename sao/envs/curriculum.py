@@ -93,7 +93,8 @@ class Curriculum:
     def __getattr__(self, name: str):
         """An environment's own extras: `demo(task, rng)` from the task's stage, `check_start()` on every stage,
         anything else from the last stage."""
-        if name.startswith("_") or name in ("environments", "starts", "tasks_per_step"):
+        # demo_tasks: a curriculum's SFT demonstrations follow its own stream (train_tasks), not the last stage's
+        if name.startswith("_") or name in ("environments", "starts", "tasks_per_step", "demo_tasks"):
             raise AttributeError(name)
         last = getattr(self.environments[-1], name)  # AttributeError when the environment has none
         if name == "demo":

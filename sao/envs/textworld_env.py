@@ -43,7 +43,9 @@ win pays. Held-out accuracy (`eval/accuracy`) is the win rate in every mode: onl
 `ok`, and evaluation counts only those.
 
 SFT warm start (`demo`): the walkthroughs of training games only, with the observations the
-environment itself renders at each step (recorded when the game was generated).
+environment itself renders at each step (recorded when the game was generated). `sft_games=N` keeps the
+first N training games for the SFT (`demo_tasks`) and the others for RL (`train_tasks`): a small model
+cloned on a game wins it nearly always, so RL on the SFT's own games gets reward ~1 and nothing to learn.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from sao.envs.base import EpisodeContext, Message, StepResult, register_environment
 from sao.envs.latency import LatencyOptions, with_latency
@@ -96,7 +98,18 @@ class TextWorldOptions(LatencyOptions):
         "last: the goal is the walkthrough's last command, the way there is the model's to find (an exploration "
         "task); steps: the goal lists the walkthrough's commands in order (`goal: put key on table. steps: go "
         "east, take key, ...`), as TextWorld's own objective spells out every step (an instruction-following task)"))
+    sft_games: int | None = Field(None, ge=1, description=(
+        "the first N training games are the SFT warm start's only, the others RL's only, so RL plays games the "
+        "starting policy never saw (an SFT that memorized its games leaves RL no reward to learn from on them); "
+        "None: both use every training game"))
     cache_dir: str = Field(".sao_cache", description="where generated games are cached, keyed by their settings")
+
+    @model_validator(mode="after")
+    def _sft_games(self) -> TextWorldOptions:
+        if self.sft_games is not None and self.sft_games >= self.num_train_games:
+            raise ValueError(f"sft_games ({self.sft_games}) must be below num_train_games ({self.num_train_games}): "
+                             "RL needs games of its own")
+        return self
 
 
 # ---------------------------------------------------------------- the compact observation
@@ -237,8 +250,10 @@ class TextWorldEnvironment:
         self._latency_rng = random.Random(seed)  # env.options.step_latency_s (sao/envs/latency.py)
         self.folder: Path = prepare_games(options)
         records = load_records(self.folder)
-        self.train = [self._task(r) for r in records if r.split == "train"]
+        train = [self._task(r) for r in records if r.split == "train"]
         self.heldout = [self._task(r) for r in records if r.split == "heldout"]
+        cut = options.sft_games or 0
+        self.sft_train, self.train = (train[:cut], train[cut:]) if cut else (train, train)
 
     def _task(self, record: GameRecord) -> Task:
         hidden = self.options.commands == "hidden"
@@ -253,8 +268,14 @@ class TextWorldEnvironment:
         return in_turn(self.heldout, n)
 
     def train_tasks(self) -> Iterator[Task]:
-        """Endless stream of training games, reshuffled every pass with the run's seed."""
+        """Endless stream of training games (RL's: not the SFT's when sft_games is set), reshuffled every pass
+        with the run's seed."""
         return reshuffled(self.train, self.seed)
+
+    def demo_tasks(self) -> Iterator[Task]:
+        """The games the SFT warm start learns from (the first sft_games, or every training game), reshuffled
+        every pass with the seed."""
+        return reshuffled(self.sft_train, self.seed)
 
     def new_episode(self, ctx: EpisodeContext) -> TextWorldEpisode:
         return with_latency(TextWorldEpisode(self.options), self.options, self._latency_rng)

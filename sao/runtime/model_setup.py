@@ -179,6 +179,12 @@ def build_child() -> None:
     send("done")
 
 
+def demo_tasks(environment):
+    """The tasks the SFT warm start learns from: the environment's demo_tasks() where it keeps some apart from
+    RL's (textworld's sft_games), else its training stream."""
+    return environment.demo_tasks() if hasattr(environment, "demo_tasks") else environment.train_tasks()
+
+
 BPE_DEMOS = 512  # training demonstrations a model.tokenizer=bpe vocabulary is learned from
 
 
@@ -187,7 +193,7 @@ def bpe_from_demos(environment, vocab_size: int, seed: int):
     BPE_DEMOS training tasks (a game repeats after its split's size; held-out tasks are never read)."""
     from sao.models.tokenizer import build_bpe_tokenizer, build_char_tokenizer
 
-    render, rng, tasks = build_char_tokenizer().apply_chat_template, random.Random(seed), environment.train_tasks()
+    render, rng, tasks = build_char_tokenizer().apply_chat_template, random.Random(seed), demo_tasks(environment)
     texts = [render(environment.demo(next(tasks), rng), tokenize=False) for _ in range(BPE_DEMOS)]
     return build_bpe_tokenizer(texts, vocab_size)
 
@@ -207,7 +213,7 @@ def _build(cfg: Config, tmp: Path, on_step) -> None:
     except Exception as exc:  # a full disk: OSError, or safetensors' own error
         raise write_failure(f"SFT cache entry {tmp}", exc) from None
     model, codec = load_model(tmp), ChatCodec(load_tokenizer(tmp))
-    tasks = environment.train_tasks()
+    tasks = demo_tasks(environment)
 
     def sample(rng: random.Random) -> Example:
         return demo_example(codec, environment.demo(next(tasks), rng))
