@@ -9,7 +9,7 @@ one decodes to the same text through `AutoTokenizer` and `PreTrainedTokenizerFas
 (tests/test_models.py). Token ids are the same as the earlier WordLevel vocabulary's, so cached
 models keep working.
 
-`build_bpe_tokenizer` (`model.tokenizer=bpe`) learns merges on top of the same alphabet from an environment's
+`build_bpe_tokenizer` (`model.tokenizer=bpe`) learns merges over every byte from an environment's
 training texts: words and the numbers of a numbered command list become one token each, so an episode is
 ~4x shorter than in characters and a tiny model matches whole words. Still byte-level, so every text round
 trips, and the same texts give the same vocabulary in every process.
@@ -72,14 +72,13 @@ def build_bpe_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenize
     character tokenizer's special tokens, tags and chat template. Deterministic for the same texts."""
     from tokenizers import trainers
 
-    chars = [byte_to_unicode()[ord(c)] for c in CHARS]
     tok = Tokenizer(models.BPE(unk_token=PAD))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # words, numbers apart
     tok.decoder = decoders.ByteLevel()
-    # every byte, so any text encodes (the trainer orders the alphabet itself)
-    alphabet = chars + sorted(set(pre_tokenizers.ByteLevel.alphabet()) - set(chars))
+    # every byte in the alphabet, so any text encodes
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + TAG_TOKENS,
-                                  initial_alphabet=alphabet, min_frequency=2, show_progress=False)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2,
+                                  show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     tok.add_special_tokens(SPECIAL_TOKENS)
     tok.add_tokens(TAG_TOKENS)

@@ -190,7 +190,7 @@ BPE_DEMOS = 512  # training demonstrations a model.tokenizer=bpe vocabulary is l
 
 def bpe_from_demos(environment, vocab_size: int, seed: int):
     """model.tokenizer=bpe: a byte-level BPE learned from the chat-rendered demonstrations of the first
-    BPE_DEMOS training tasks (a game repeats after its split's size; held-out tasks are never read)."""
+    BPE_DEMOS tasks of the SFT's stream (a game repeats after its split's size; held-out tasks are never read)."""
     from sao.models.tokenizer import build_bpe_tokenizer, build_char_tokenizer
 
     render, rng, tasks = build_char_tokenizer().apply_chat_template, random.Random(seed), demo_tasks(environment)
