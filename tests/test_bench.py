@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sao.bench.analysis import accuracy_at, collapse, nonfinite_step, recovery, time_to_target
-from sao.bench.experiment import load_experiment, train_args
+from sao.bench.experiment import _progress_line, load_experiment, train_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +36,16 @@ def test_only_a_non_finite_update_is_a_non_finite_step():
     assert nonfinite_step({"step": 91, "loss/policy": -0.01, "guard/skipped_updates": 1})
     assert nonfinite_step({"step": 92, "loss/policy": float("nan"), "guard/skipped_updates": 0})
     assert nonfinite_step({"step": 93, "loss/policy": None})
+
+
+def test_progress_shows_what_a_run_does_before_its_first_step(tmp_path):
+    run_dir, log_file = tmp_path / "q2-sao-s0", tmp_path / "q2-sao-s0.log"
+    assert _progress_line(run_dir, 40, log_file) == "step 0/40"  # nothing written yet
+    log_file.write_text("generating TextWorld games into .sao_cache/x\ngenerating TextWorld games: 300/1152 (30s)\n")
+    assert _progress_line(run_dir, 40, log_file) == "step 0/40, generating TextWorld games: 300/1152 (30s)"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    assert _progress_line(run_dir, 40, log_file) == "step 1/40, reward 0.50"  # then the metrics
 
 
 def test_collapse_detector():

@@ -61,6 +61,21 @@ def test_generation_is_deterministic_for_a_seed_and_cached(tmp_path):
     assert other != a and not list(tmp_path.glob("a/*.partial-*"))  # other settings, another entry; no leftovers
 
 
+def test_generation_says_what_it_does(tmp_path, capsys):
+    """Thousands of games take minutes: a miss says so (to the given log, else stderr), a hit says nothing."""
+    said: list[str] = []
+    options = TextWorldOptions(**SMALL, cache_dir=str(tmp_path))
+    entry = prepare_games(options, log=said.append)
+    total = options.num_train_games + options.num_heldout_games
+    assert said[0] == f"generating TextWorld games into {entry}"
+    assert said[-1].startswith(f"generated {total} TextWorld games in ")
+    prepare_games(TextWorldOptions(**{**SMALL, "quest_length": 2}, cache_dir=str(tmp_path)))
+    err = capsys.readouterr().err
+    assert "generating TextWorld games into" in err and f"generated {total} TextWorld games" in err
+    prepare_games(options)
+    assert capsys.readouterr().err == ""
+
+
 def test_games_are_the_same_in_every_process(tmp_path):
     """Reproduction: two cold runs of `sao bench horizon` with the same seeds wrote different games.json (and
     so different SFT demos and observations): the states' facts came out of TextWorld's sets in an order that

@@ -142,7 +142,9 @@ def check_runs(exp: Experiment, extra: list[str]) -> None:
             raise ConfigError(f"variant {variant!r}: {exc}") from None
 
 
-def _progress_line(run_dir: Path, total: int) -> str:
+def _progress_line(run_dir: Path, total: int, log_file: Path | None = None) -> str:
+    """Step, reward and held-out accuracy from the run's metrics; before its first step, the last line the
+    run printed (games being generated, say) when there is one."""
     path = run_dir / "metrics.jsonl"
     step, reward, acc = 0, None, None
     if path.is_file():
@@ -160,6 +162,10 @@ def _progress_line(run_dir: Path, total: int) -> str:
         parts.append(f"reward {reward:.2f}")
     if acc is not None:
         parts.append(f"held-out {acc:.2f}")
+    if reward is None and log_file is not None:
+        said = last_line(log_file)
+        if said:
+            parts.append(said[:120])
     return ", ".join(parts)
 
 
@@ -183,7 +189,8 @@ def run_variant(exp: Experiment, variant: str, seed: int, runs_root: Path, extra
                 stopped = True
             if now - last >= 10:
                 last = now
-                log(f"{label} {variant} seed {seed}: {_progress_line(run_dir, total_steps)} ({now - t0:.0f}s)")
+                said = _progress_line(run_dir, total_steps, runs_root / f"{variant}-s{seed}.log")
+                log(f"{label} {variant} seed {seed}: {said} ({now - t0:.0f}s)")
     return {"variant": variant, "seed": seed, "run_dir": str(run_dir), "returncode": proc.returncode,
             "budget_stopped": stopped, "process_s": time.time() - t0, "command": "sao train " + " ".join(args),
             "last_line": last_line(runs_root / f"{variant}-s{seed}.log")}

@@ -35,8 +35,10 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,9 +167,16 @@ def fingerprint(game) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _generate_all(options: Any, folder: Path) -> list[dict]:
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _generate_all(options: Any, folder: Path, log=_stderr) -> list[dict]:
+    """Every game of the entry into `folder`; a progress line every 30 s (minutes for thousands of games)."""
     rows: list[dict] = []
     seen: set[str] = set()
+    total = options.num_train_games + options.num_heldout_games
+    t0 = last = time.monotonic()
     for split, start, count in (("train", options.train_seed, options.num_train_games),
                                 ("heldout", options.heldout_seed, options.num_heldout_games)):
         (folder / split).mkdir(parents=True, exist_ok=True)
@@ -187,7 +196,11 @@ def _generate_all(options: Any, folder: Path) -> list[dict]:
                              "walkthrough": list(game.quests[0].commands), "max_score": int(game.max_score),
                              "states": walkthrough_states(str(folder / split / f"{seed}.json"))})
                 made += 1
+                if time.monotonic() - last >= 30:
+                    last = time.monotonic()
+                    log(f"generating TextWorld games: {len(rows)}/{total} ({last - t0:.0f}s)")
             seed += 1
+    log(f"generated {total} TextWorld games in {time.monotonic() - t0:.0f}s")
     return rows
 
 
@@ -208,7 +221,8 @@ def _entry_ok(path: Path) -> bool:
 
 
 def prepare_games(options: Any, log=None) -> Path:
-    """The cache entry of these settings, generated on a miss (one generator at a time per entry)."""
+    """The cache entry of these settings, generated on a miss (one generator at a time per entry), with
+    progress lines to `log` (default: stderr)."""
     out = Path(options.cache_dir) / f"textworld-{settings_key(options)}"
     if _entry_ok(out):
         return out
@@ -217,11 +231,11 @@ def prepare_games(options: Any, log=None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process generating the same entry: wait, then use it
         if _entry_ok(out):
             return out
-        if log is not None:
-            log(f"generating TextWorld games into {out}")
+        log = log or _stderr
+        log(f"generating TextWorld games into {out}")
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
         try:
-            rows = _generate_all(options, tmp)
+            rows = _generate_all(options, tmp, log)
             (tmp / "games.json").write_text(json.dumps({"settings": generation_settings(options), "games": rows}))
             for f in [*sorted(tmp.rglob("*")), tmp]:  # whole files before the rename publishes them
                 _fsync(f)
