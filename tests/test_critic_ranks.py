@@ -455,6 +455,8 @@ def test_trainer_ranks_beside_a_separate_critic_match_colocated_ranks_and_resume
     assert rows[-1]["critic/version"] == 8 and {r["async/critic_ahead"] for r in rows} <= {0, 1}
     final = run / "checkpoints" / "final"
     assert (final / "critic" / "config.json").is_file() and (final / "trainer" / ".metadata").is_file()
+    tokenizer_files = sorted(p.name for p in (final / "actor").glob("*token*"))
+    assert tokenizer_files and sorted(p.name for p in (final / "critic").glob("*token*")) == tokenizer_files
     state = torch.load(final / "trainer_state.pt", weights_only=False)["trainer"]
     assert state["critic_version"] == 8 and state["critic_opt"]["state"] and state["ranks"] == 2
 

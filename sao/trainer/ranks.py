@@ -217,6 +217,7 @@ class RankDriver:
         tokenizer.save_pretrained(folder / "actor")
         if self.critic is not None:
             self.critic.save_pretrained(folder / "critic")
+            tokenizer.save_pretrained(folder / "critic")  # as the one-process Learner: each folder loads alone
 
     def save(self, path) -> None:
         self._call("save", str(path))
