@@ -152,16 +152,8 @@ class Learner:
         metrics["critic/explained_variance"] = explained_variance(value[:, None], rewards[:, None], ones, self.reduce)
         if self.trace is not None:
             self.trace.put("prompt_value", per_row(value.cpu(), batch))
-        for k in range(self.critic_updates):
-            if k > 0:
-                logits = self._prompt_logits(prompts, last_prompt)
-                t = _lap(metrics, "perf/critic_forward_s", t)
-            loss, m = prompt_value_loss(logits, rewards, self.reduce)
-            gn = self._apply(self.critic_opt, loss, self.critic_cfg.grad_clip)
-            self.critic_version += gn is not None
-            t = _lap(metrics, "perf/critic_backward_s", t)
-        metrics.update(m)
-        metrics["critic/grad_norm"] = float("nan") if gn is None else gn
+        self._critic_updates(lambda: self._prompt_logits(prompts, last_prompt),
+                             lambda out: prompt_value_loss(out, rewards, self.reduce), metrics, t, first=logits)
         metrics["critic/version"] = self.critic_version
         metrics["critic/value_mean"] = float(self.reduce.mean(value))
         metrics["critic/return_mean"] = float(self.reduce.mean(rewards))
@@ -190,6 +182,26 @@ class Learner:
                              f"{float(rewards[(rewards < 0) | (rewards > 1)][0]) if outside else 'on another rank'}); "
                              f"{why}")
 
+    def _critic_updates(self, forward, loss_of, metrics: dict, t: float, first: torch.Tensor | None = None,
+                        lap_forward: bool = True) -> float:
+        """The K critic updates (critic.updates) every critic-based algorithm makes: `forward()` the critic's
+        output, `loss_of(output)` -> (loss, metrics), one optimizer step each; `first` is the first update's
+        output when the caller's forward pass already made it. Times go to perf/critic_forward_s (when
+        `lap_forward`, else with the backward) and perf/critic_backward_s (backward + clip + optimizer step);
+        the last update's metrics and grad norm go to `metrics`. Returns the time of the last lap."""
+        gn, m = None, {}
+        for k in range(self.critic_updates):
+            out = first if k == 0 and first is not None else forward()
+            if lap_forward and out is not first:
+                t = _lap(metrics, "perf/critic_forward_s", t)
+            loss, m = loss_of(out)
+            gn = self._apply(self.critic_opt, loss, self.critic_cfg.grad_clip)
+            self.critic_version += gn is not None
+            t = _lap(metrics, "perf/critic_backward_s", t)
+        metrics.update(m)
+        metrics["critic/grad_norm"] = float("nan") if gn is None else gn
+        return t
+
     def _critic_phase(self, batch: Batch, metrics: dict) -> torch.Tensor:
         """Steps 1-3: returns, K critic updates, then actor advantages from the updated critic."""
         if self.algo.advantage is Advantage.PROMPT_VALUE:
@@ -209,16 +221,10 @@ class Learner:
             self.trace.put("return", returns)
         metrics["critic/explained_variance"] = explained_variance(v0, returns, mask, self.reduce)
         t = _lap(metrics, "perf/gae_s", t)
-        for k in range(self.critic_updates):  # step 2
-            if k > 0:
-                v = self._values(batch)
-                t = _lap(metrics, "perf/critic_forward_s", t)
-            loss, m = value_loss(v, returns, mask, old_values=v0, clip=self.critic_cfg.value_clip, reduce=self.reduce)
-            gn = self._apply(self.critic_opt, loss, self.critic_cfg.grad_clip)
-            self.critic_version += gn is not None
-            t = _lap(metrics, "perf/critic_backward_s", t)  # backward + clip + optimizer step
-        metrics.update(m)
-        metrics["critic/grad_norm"] = float("nan") if gn is None else gn
+        t = self._critic_updates(  # step 2
+            lambda: self._values(batch), lambda out: value_loss(out, returns, mask, old_values=v0,
+                                                                clip=self.critic_cfg.value_clip, reduce=self.reduce),
+            metrics, t, first=v)
         with torch.inference_mode():  # step 3
             v2 = self._values(batch)
         t = _lap(metrics, "perf/critic_v2_s", t)
@@ -274,16 +280,9 @@ class Learner:
             weights = ratio.clamp(max=self.algo_cfg.pact_weight_clip) * mask
         metrics["critic/is_weight_mean"] = float(masked_mean(weights, mask, self.reduce))
         t = _lap(metrics, "perf/critic_forward_s", t)
-        gn = None
-        for _ in range(self.critic_updates):
-            v = self._values(batch)
-            loss, m = value_loss(v, returns, mask, old_values=v0, clip=self.critic_cfg.value_clip, reduce=self.reduce,
-                                 weights=weights)
-            gn = self._apply(self.critic_opt, loss, self.critic_cfg.grad_clip)
-            self.critic_version += gn is not None
-            t = _lap(metrics, "perf/critic_backward_s", t)
-        metrics.update(m)
-        metrics["critic/grad_norm"] = float("nan") if gn is None else gn
+        self._critic_updates(lambda: self._values(batch),
+                             lambda out: value_loss(out, returns, mask, old_values=v0, clip=self.critic_cfg.value_clip,
+                                                    reduce=self.reduce, weights=weights), metrics, t, lap_forward=False)
         metrics["critic/version"] = self.critic_version
         if self.trace is not None:
             self.trace.put("critic_weight", weights)
