@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from sao.bench.analysis import bootstrap, final_games, paired_differences
+from sao.bench.analysis import bootstrap, final_games, paired_differences, start_games
 from sao.bench.experiment import Experiment
 from sao.bench.report import intervals, reference_of
 from sao.runtime.run_dir import RunDir
@@ -61,6 +61,24 @@ def test_the_reference_is_the_same_settings_with_sao():
     assert paired["q2-grpo"]["diff"] == -0.5
 
 
+def test_the_gain_over_the_start_is_paired_per_game():
+    """Training that wins 2 more of 4 games on seed 0 and loses 1 on seed 1: the gain is the mean over seeds
+    of the per-game differences, its interval from the same bootstrap; a run without a start has none."""
+    exp = Experiment(name="x", description="", config=None, overrides=[], seeds=[0, 1], analysis={},
+                     variants={"sao": ["algo.name=sao"]})
+    runs = {"sao": {0: {"start_games": {"a": 0.0, "b": 0.0, "c": 1.0, "d": 0.0},
+                        "final_games": {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.0}},
+                    1: {"start_games": {"a": 1.0, "b": 1.0, "c": 0.0, "d": 0.0},
+                        "final_games": {"a": 1.0, "b": 0.0, "c": 0.0, "d": 0.0}}}}
+    ci, _ = intervals(exp, runs)
+    assert ci["sao"]["start"]["mean"] == pytest.approx((0.25 + 0.5) / 2)
+    assert ci["sao"]["gain"]["mean"] == pytest.approx((2 / 4 - 1 / 4) / 2)  # +0.125
+    assert bootstrap([[1.0, 1.0, 0.0, 0.0], [0.0, -1.0, 0.0, 0.0]])[1:] == tuple(ci["sao"]["gain"]["ci95"])
+    assert ci["sao"]["gain"]["outside_noise"] is False  # 4 games: the interval spans 0
+    del runs["sao"][0]["start_games"], runs["sao"][1]["start_games"]
+    assert "gain" not in intervals(exp, runs)[0]["sao"]
+
+
 def test_a_run_writes_every_held_out_game(tmp_path):
     run = RunDir(tmp_path)
     trajs = [Trajectory(f"t{i}", f"task{i % 3}", [1], [1], [0.0], [0], 0, reward=r, status=s)
@@ -70,3 +88,6 @@ def test_a_run_writes_every_held_out_game(tmp_path):
     data = json.loads((tmp_path / "evals" / "step_000050.json").read_text())
     assert [g["score"] for g in data["games"]] == [1.0, 0.0, None, 0.0]  # truncated scores 0; failed: not scored
     assert final_games(tmp_path) == {"task0": 1.0, "task1": 0.0, "task0#3": 0.0}
+    assert start_games(tmp_path) is None  # no evaluation at step 0
+    run.write_eval_games(0, trajs[:2])
+    assert start_games(tmp_path) == {"task0": 1.0, "task1": 0.0} and final_games(tmp_path)["task0#3"] == 0.0

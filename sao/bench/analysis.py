@@ -60,6 +60,7 @@ def load_run(run_dir: Path) -> dict:
     run["eval_wall_s"] = [0.0 if r["step"] == 0 else wall_at.get(r["step"], None) for r in evals]
     run["eval_rows"] = evals
     run["final_games"] = final_games(Path(run_dir))
+    run["start_games"] = start_games(Path(run_dir))
     last = steps[-1] if steps else {}
     run["gen_total_s"], run["train_total_s"] = last.get("perf/gen_total_s"), last.get("perf/train_total_s")
     run["nonfinite"] = [r["step"] for r in steps if nonfinite_step(r)]
@@ -152,9 +153,18 @@ def final_games(run_dir: Path) -> dict[str, float] | None:
     """task -> score of the run's last held-out evaluation (evals/step_N.json, written by the runtime),
     failed episodes left out; None for a run without one (or written before per-game results existed)."""
     files = sorted((Path(run_dir) / "evals").glob("step_*.json"))
-    if not files:
-        return None
-    games = json.loads(files[-1].read_text())["games"]
+    return _games(files[-1]) if files else None
+
+
+def start_games(run_dir: Path) -> dict[str, float] | None:
+    """task -> score of the run's evaluation before its first step (evals/step_000000.json), as `final_games`;
+    None without one (eval.every=0 evaluates at the end only)."""
+    path = Path(run_dir) / "evals" / f"step_{0:06d}.json"
+    return _games(path) if path.is_file() else None
+
+
+def _games(path: Path) -> dict[str, float]:
+    games = json.loads(path.read_text())["games"]
     out: dict[str, float] = {}
     for i, g in enumerate(games):
         if g["score"] is not None:
@@ -182,11 +192,12 @@ def bootstrap(per_seed: list[list[float]], n: int = BOOTSTRAP, seed: int = 0) ->
     return point, float(lo), float(hi)
 
 
-def paired_differences(runs: dict[int, dict], ref: dict[int, dict]) -> list[list[float]]:
-    """Per seed both ran, the per-game score differences on the held-out games both evaluated."""
+def paired_differences(runs: dict[int, dict], ref: dict[int, dict], ref_key: str = "final_games") -> list[list[float]]:
+    """Per seed both ran, the per-game score differences on the held-out games both evaluated: the final
+    evaluations of two variants, or (ref = runs, ref_key="start_games") a run's gain over its own start."""
     out = []
     for seed in sorted(set(runs) & set(ref)):
-        a, b = runs[seed].get("final_games"), ref[seed].get("final_games")
+        a, b = runs[seed].get("final_games"), ref[seed].get(ref_key)
         if a and b:
             common = sorted(set(a) & set(b))
             if common:

@@ -65,8 +65,9 @@ def reference_of(exp, name: str, algo: str = "sao") -> str | None:
 
 
 def intervals(exp, runs: dict[str, dict[int, dict]]) -> tuple[dict, dict]:
-    """Per variant the final held-out accuracy's 95% interval (bootstrap over games and seeds), and per
-    variant with a reference (`reference_of`) the paired difference to it with its interval."""
+    """Per variant the final held-out accuracy's 95% interval (bootstrap over games and seeds), with, when the
+    runs evaluated before training, the start's interval and the paired gain final - start on the same games;
+    and per variant with a reference (`reference_of`) the paired difference to it with its interval."""
     ci = {}
     for name, by_seed in runs.items():
         games = [list(r["final_games"].values()) for r in by_seed.values() if r.get("final_games")]
@@ -74,6 +75,12 @@ def intervals(exp, runs: dict[str, dict[int, dict]]) -> tuple[dict, dict]:
         if got:
             ci[name] = {"mean": _r(got[0]), "ci95": [_r(got[1]), _r(got[2])], "seeds": len(games),
                         "games_per_seed": sorted({len(g) for g in games})}
+            start = bootstrap([list(r["start_games"].values()) for r in by_seed.values() if r.get("start_games")])
+            gain = bootstrap(paired_differences(by_seed, by_seed, "start_games"))  # did training move it at all?
+            if start and gain:
+                ci[name]["start"] = {"mean": _r(start[0]), "ci95": [_r(start[1]), _r(start[2])]}
+                ci[name]["gain"] = {"mean": _r(gain[0]), "ci95": [_r(gain[1]), _r(gain[2])],
+                                    "outside_noise": gain[1] > 0 or gain[2] < 0}
     paired = {}
     for name in runs:
         ref = reference_of(exp, name, exp.analysis.get("reference_algo", "sao")) if name in exp.variants else None
@@ -187,6 +194,15 @@ def markdown(res: dict) -> str:
         if has_rec:
             row.append("; ".join(str(s["recovery_steps"]) for s in ps))
         lines.append("| " + " | ".join(row) + " |")
+    gains = {n: v["final_accuracy_ci95"] for n, v in res["variants"].items() if "gain" in v.get("final_accuracy_ci95", {})}
+    if gains:
+        lines += ["", "Gain over the start (final - start on the same held-out games, per seed; bootstrap over games "
+                  "and seeds, 95% interval):", ""]
+        for name, c in gains.items():
+            s, g = c["start"], c["gain"]
+            verdict = "outside the noise" if g["outside_noise"] else "within the noise"
+            lines.append(f"- `{name}`: start {s['mean']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}], final "
+                         f"{c['mean']:.3f}, gain {g['mean']:+.3f} [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]: {verdict}")
     if res.get("paired_vs_reference"):
         lines += ["", "Paired against the same settings with SAO (same seeds and held-out games; per-game score "
                   "differences, bootstrap over games and seeds, 95% interval):", ""]
