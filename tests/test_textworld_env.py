@@ -61,6 +61,24 @@ def test_generation_is_deterministic_for_a_seed_and_cached(tmp_path):
     assert other != a and not list(tmp_path.glob("a/*.partial-*"))  # other settings, another entry; no leftovers
 
 
+def test_generation_in_processes_writes_the_same_entry(tmp_path):
+    """Thousands of games took 18 min on one core while the other idled: a pool of processes generates them,
+    and the entry must be the same bytes as one process writes, duplicates skipped the same way (held-out
+    seeds overlapping the training seeds make some)."""
+    from sao.envs.textworld_games import _generate_all
+
+    options = TextWorldOptions(**{**SMALL, "num_train_games": 6, "num_heldout_games": 3, "heldout_seed": 3})
+    said: list[str] = []
+    one = _generate_all(options, tmp_path / "one", log=said.append, workers=1)
+    two = _generate_all(options, tmp_path / "two", log=said.append, workers=2)
+    assert json.dumps(one) == json.dumps(two)
+    assert [r["seed"] for r in two if r["split"] == "heldout"] == [6, 7, 8]  # seeds 3-5 are training games again
+    for r in one:
+        assert (tmp_path / "one" / r["file"]).read_bytes() == (tmp_path / "two" / r["file"]).read_bytes()
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["heldout", "train"]  # no scratch left
+    assert said[-1].endswith("(2 processes)")
+
+
 def test_generation_says_what_it_does(tmp_path, capsys):
     """Thousands of games take minutes: a miss says so (to the given log, else stderr), a hit says nothing."""
     said: list[str] = []
