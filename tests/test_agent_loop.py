@@ -110,3 +110,27 @@ def test_a_hanging_sync_environment_times_out(tiny):
     _, codec = tiny
     traj = _run(Hang(), Task("t", "x"), ScriptedEngine(codec, ["a"]), codec, step_timeout_s=0.1)
     assert traj.status == Status.TIMEOUT
+
+
+def test_seeded_evaluation_episodes_have_their_own_seeds(tiny):
+    """`run_episodes` with a seed gives episode i the seed `episode_seed(seed, i, task.id)`: a task listed
+    twice is played twice with different draws, and the same list with the same seed replays exactly, whatever
+    the engine's batch size (held-out evaluations of two arms share their random numbers)."""
+    from sao.engine.torch_engine import TorchEngine
+    from sao.envs.base import EpisodeContext
+    from sao.rollout.agent_loop import run_episodes
+
+    model, codec = tiny
+    env = make_environment("calc", {}, seed=0)
+    tasks = [Task("a", "6*7", 42), Task("a", "6*7", 42), Task("b", "2+3", 5)]
+    limits = EpisodeLimits(max_turns=2, max_action_tokens=8, max_episode_tokens=200)
+
+    def play(max_batch, seed):
+        engine = TorchEngine(model, codec.tokenizer.pad_token_id, max_batch=max_batch, seed=max_batch)
+        return [t.token_ids for t in asyncio.run(run_episodes(engine, env, codec, tasks, SamplingParams(seed=seed),
+                                                              limits, EpisodeContext))]
+
+    first = play(8, 0)
+    assert play(1, 0) == first
+    assert first[0] != first[1]  # the same task twice: two episodes, not one replayed
+    assert play(8, 1) != first

@@ -109,6 +109,23 @@ def test_vllm_logprobs_equal_the_trainers(engine, model_dir):
         assert g.finish_reason == "stop" or len(g.token_ids) == 24
 
 
+def test_vllm_seeded_requests_sample_the_same_tokens_in_any_batch(engine):
+    """Held-out episodes carry their own seed (sao/engine/sampling.py); the vLLM engine sends it keyed by where
+    the turn starts, so a request samples the same tokens batched with seven others or alone."""
+    params = [SamplingParams(max_new_tokens=16, seed=100 + i) for i in range(len(PROMPTS))]
+
+    async def main(which):
+        try:
+            return await asyncio.gather(*(engine.generate(PROMPTS[i], params[i]) for i in which))
+        finally:
+            await engine.close()
+
+    together = [g.token_ids for g in asyncio.run(main(range(len(PROMPTS))))]
+    for i in (0, 5):
+        assert asyncio.run(main([i]))[0].token_ids == together[i]
+    assert len({tuple(t) for t in together}) > 1
+
+
 def test_after_a_weight_update_logprobs_match_the_new_weights(engine, model_dir):
     """Also the stale tied LM head: vLLM's own reload leaves the CPU-packed head on the old embedding."""
     old, new = load_model(model_dir), _perturbed(model_dir, 0.05, seed=1)

@@ -181,7 +181,8 @@ class TorchEngine:
             await asyncio.sleep(0)  # let episodes step their environments and submit new turns
 
     def _record(self, reqs: list[_Request], logits: torch.Tensor) -> torch.Tensor:
-        ids, lps = sample_tokens(logits, [r.params for r in reqs], self.generator)
+        ids, lps = sample_tokens(logits, [r.params for r in reqs], self.generator,
+                                 [len(r.prompt_ids) + len(r.token_ids) for r in reqs])
         for r, tok, lp in zip(reqs, ids.tolist(), lps.tolist()):
             r.token_ids.append(tok)
             r.logprobs.append(lp)

@@ -33,6 +33,7 @@ import torch
 
 from sao.config import EngineConfig
 from sao.engine.base import EngineError, WeightSource, check_prompt
+from sao.engine.sampling import position_seed
 from sao.engine.vllm_process import EXTENSION_CLS, VLLMServer
 from sao.types import Generation, SamplingParams
 
@@ -115,12 +116,15 @@ class VLLMEngine:
 
     # -- generate ---------------------------------------------------------------------------
     def request_body(self, prompt_ids: list[int], params: SamplingParams, max_new: int) -> dict:
+        # a seeded request (evaluation) draws from its episode's seed and where this turn starts: the same
+        # tokens whichever requests the server batches it with (sao/engine/sampling.py)
+        seed = (position_seed(params.seed, len(prompt_ids)) if params.seed is not None
+                else self.seed * 1_000_003 + self._requests) % (1 << 31)
         body = {"token_ids": list(prompt_ids), "output_mode": "tokens", "sampling_params": {
             "max_tokens": max_new, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
             "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "stop_token_ids": list(params.stop_token_ids), "ignore_eos": True, "logprobs": 0, "detokenize": False,
-            "skip_special_tokens": False, "seed": params.seed if params.seed is not None
-            else (self.seed * 1_000_003 + self._requests) % (1 << 31)}}
+            "skip_special_tokens": False, "seed": seed}}
         if self.cfg.recompute_after_swap:  # never reuse prefix-cache blocks that older weights computed
             body["cache_salt"] = f"sao-v{self.version}"
         return body

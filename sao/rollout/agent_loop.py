@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, replace
 
 from sao.engine.base import Engine
+from sao.engine.sampling import episode_seed
 from sao.envs.agent import AgentEpisode
 from sao.envs.base import Env
 from sao.models.chat import ChatCodec
@@ -118,9 +119,14 @@ async def run_episode(env: Env, task: Task, engine: Engine, codec: ChatCodec, pa
 async def run_episodes(engine: Engine, environment, codec: ChatCodec, tasks: list[Task], params: SamplingParams,
                        limits: EpisodeLimits, context) -> list[Trajectory]:
     """Every task once, concurrently, on one engine in this process (sync mode, evaluation, the parity
-    gate); `context()` is each episode's `EpisodeContext`. The engine is closed at the end."""
+    gate); `context()` is each episode's `EpisodeContext`. The engine is closed at the end. With a
+    `params.seed`, episode i samples with `episode_seed(seed, i, task.id)`: the same tokens whatever the
+    batching (sao/engine/sampling.py), so policies evaluated with one seed share their random numbers."""
+    def own(i: int, task: Task) -> SamplingParams:
+        return params if params.seed is None else replace(params, seed=episode_seed(params.seed, i, task.id))
+
     try:
-        return await asyncio.gather(*(run_episode(open_episode(environment, context(), task), task, engine, codec, params,
-                                                  limits) for task in tasks))
+        return await asyncio.gather(*(run_episode(open_episode(environment, context(), task), task, engine, codec,
+                                                  own(i, task), limits) for i, task in enumerate(tasks)))
     finally:
         await engine.close()
