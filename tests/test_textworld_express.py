@@ -71,7 +71,7 @@ def _wins_in(engine, options, seed: int, n: int) -> bool:
     return grow(())
 
 
-def test_held_out_games_never_equal_training_games_and_episodes_play_to_a_win(tmp_path):
+def test_held_out_games_never_equal_training_games_and_episodes_play_to_a_win(tmp_path, capsys):
     env = make_environment("textworld_express", {**OPTIONS, "solution_length": 3, "cache_dir": str(tmp_path)}, seed=0)
     assert len(env.train) == 6 and len(env.heldout) == 6
     assert {t.meta["fold"] for t in env.train} == {"train"} and {t.meta["fold"] for t in env.heldout} == {"test"}
@@ -93,8 +93,11 @@ def test_held_out_games_never_equal_training_games_and_episodes_play_to_a_win(tm
         episode.close()
         assert [r.done for r in results] == [False, False, True] and results[-1].reward == 1.0
         assert [m["content"] for m in demo if m["role"] == "tool"] == [r.observation for r in results[:-1]]
-    # the same settings again: read from the cache, the same games
+    err = capsys.readouterr().err  # the search said what it did (minutes for thousands of games)
+    assert "searching shortest paths of textworld-express games into" in err and "prepared 12 textworld-express games" in err
+    # the same settings again: read from the cache, the same games, nothing said
     again = make_environment("textworld_express", {**OPTIONS, "solution_length": 3, "cache_dir": str(tmp_path)}, seed=0)
+    assert capsys.readouterr().err == ""
     assert [t.id for t in again.train + again.heldout] == [t.id for t in env.train + env.heldout]
     assert len(list(tmp_path.glob("textworld-express-*.json"))) == 1
 

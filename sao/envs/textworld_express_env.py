@@ -38,7 +38,9 @@ import json
 import os
 import random
 import re
+import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,7 +165,25 @@ def _settings_key(options: TextWorldExpressOptions) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _prepare_fold(engine, options, fold: str, n: int, skip: set[str]) -> list[dict]:
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class _Progress:
+    """A line every 30 s while games are searched (a search per seed: minutes for thousands of games)."""
+
+    def __init__(self, total: int, log) -> None:
+        self.total, self.log, self.done = total, log, 0
+        self.t0 = self.last = time.monotonic()
+
+    def add(self) -> None:
+        self.done += 1
+        if time.monotonic() - self.last >= 30:
+            self.last = time.monotonic()
+            self.log(f"searching textworld-express games: {self.done}/{self.total} ({self.last - self.t0:.0f}s)")
+
+
+def _prepare_fold(engine, options, fold: str, n: int, skip: set[str], progress: _Progress | None = None) -> list[dict]:
     """The first `n` games of `fold` (by seed) with a shortest solution (of solution_length, if set) whose
     fingerprint is not in `skip`, among its first max(64, 16 n) seeds (each costs a search)."""
     valid = {"train": engine.getValidSeedsTrain, "test": engine.getValidSeedsTest}[fold]()
@@ -188,6 +208,8 @@ def _prepare_fold(engine, options, fold: str, n: int, skip: set[str]) -> list[di
             continue
         games.append({"fold": fold, "seed": seed, "fingerprint": fingerprint, "path": path})
         skip.add(fingerprint)
+        if progress is not None:
+            progress.add()
         if len(games) == n:
             return games
     if refused and not games:
@@ -199,8 +221,9 @@ def _prepare_fold(engine, options, fold: str, n: int, skip: set[str]) -> list[di
                      f"{options.max_search_states}; {n} are asked")
 
 
-def prepare_games(options: TextWorldExpressOptions) -> list[dict]:
-    """Every game of these settings with its shortest path: from the cache, or searched (once per entry)."""
+def prepare_games(options: TextWorldExpressOptions, log=_stderr) -> list[dict]:
+    """Every game of these settings with its shortest path: from the cache, or searched (once per entry), with
+    progress lines to `log` on a miss."""
     out = Path(options.cache_dir) / f"textworld-express-{_settings_key(options)}.json"
     if out.is_file():
         return json.loads(out.read_text())["games"]
@@ -209,13 +232,16 @@ def prepare_games(options: TextWorldExpressOptions) -> list[dict]:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process preparing the same entry: wait, then read it
         if out.is_file():
             return json.loads(out.read_text())["games"]
+        log(f"searching shortest paths of textworld-express games into {out}")
+        progress = _Progress(options.num_train_games + options.num_heldout_games, log)
         engine = _engine()
         try:
-            train = _prepare_fold(engine, options, "train", options.num_train_games, set())
+            train = _prepare_fold(engine, options, "train", options.num_train_games, set(), progress)
             heldout = _prepare_fold(engine, options, "test", options.num_heldout_games,
-                                    {g["fingerprint"] for g in train})
+                                    {g["fingerprint"] for g in train}, progress)
         finally:
             _release(engine)
+        log(f"prepared {progress.done} textworld-express games in {time.monotonic() - progress.t0:.0f}s")
         tmp = out.with_name(out.name + f".{os.getpid()}.partial")
         tmp.write_text(json.dumps({"settings": options.model_dump(), "games": train + heldout}))
         os.replace(tmp, out)
