@@ -98,3 +98,24 @@ def test_bar_shows_the_latest_eval_with_its_step_and_the_final_eval_is_logged():
     assert "held-out accuracy: 0.500 (step 10)" in out.getvalue()
     progress.set_eval(0.5)  # the step is optional
     assert out.getvalue().rstrip().endswith("held-out accuracy: 0.500")
+
+
+def test_quiet_sft_prints_plain_lines(capsys):
+    """With --quiet (what `sao bench` runs) the SFT warm start was silent for minutes, and the bench's progress
+    line kept showing the games generated before it. It now prints a line at its first step, every `every_s`
+    seconds and at its last; with the bar on it prints no plain lines."""
+    on_step = RunProgress(enabled=False).sft_callback(5, every_s=3600)
+    for step in range(5):
+        on_step(step, 1.0 / (step + 1))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["SFT warm start: step 1/5, loss 1.000",
+                                                       "SFT warm start: step 5/5, loss 0.200"]
+    every = RunProgress(enabled=False).sft_callback(3, every_s=0)
+    for step in range(3):
+        every(step, 0.5)
+    assert len(capsys.readouterr().err.splitlines()) == 3
+    assert RunProgress(enabled=False).sft_callback(0) is None
+    bar = RunProgress(enabled=True, console=Console(file=StringIO())).sft_callback(2)
+    bar(0, 1.0)
+    bar(1, 0.5)
+    assert capsys.readouterr().err == ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -33,9 +34,13 @@ class RunProgress:
                         TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
                         console=self.console, transient=False)
 
-    def sft_callback(self, total: int):
-        if not self.enabled or total == 0:
+    def sft_callback(self, total: int, every_s: float = 30.0):
+        """The SFT's per-step callback: the live bar, or with --quiet a plain line on stderr at the first step,
+        every `every_s` seconds and at the last (an SFT takes minutes, and `sao bench` shows a run's last line)."""
+        if total == 0:
             return None
+        if not self.enabled:
+            return self._sft_lines(total, every_s)
         state: dict = {}
 
         def on_step(step: int, loss: float) -> None:
@@ -46,6 +51,20 @@ class RunProgress:
             state["p"].update(state["t"], advance=1, info=f"loss {loss:.3f}")
             if step == total - 1:
                 state["p"].stop()
+
+        return on_step
+
+    @staticmethod
+    def _sft_lines(total: int, every_s: float):
+        t0 = last = time.monotonic()
+
+        def on_step(step: int, loss: float) -> None:
+            nonlocal last
+            now = time.monotonic()
+            if step in (0, total - 1) or now - last >= every_s:
+                last = now
+                print(f"SFT warm start: step {step + 1}/{total}, loss {loss:.3f} ({now - t0:.0f}s)", file=sys.stderr,
+                      flush=True)
 
         return on_step
 
