@@ -79,6 +79,26 @@ def test_generation_in_processes_writes_the_same_entry(tmp_path):
     assert said[-1].endswith("(2 processes)")
 
 
+def test_generation_in_processes_from_a_script_without_a_main_guard(tmp_path):
+    """Reproduction: the first pool (multiprocessing, spawn) re-imported the caller's main module, so a script
+    without `if __name__ == "__main__"` (what a user calling sao.train writes) started itself again and failed.
+    The workers are plain `python -c` processes now."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("import pathlib, sys\n"
+                      "from sao.envs.textworld_env import TextWorldOptions\n"
+                      "from sao.envs.textworld_games import _generate_all\n"
+                      f"options = TextWorldOptions(**{SMALL!r})\n"
+                      "rows = _generate_all(options, pathlib.Path(sys.argv[1]), log=print, workers=2)\n"
+                      "print('games', len(rows))\n")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "games 6"
+
+
 def test_generation_says_what_it_does(tmp_path, capsys):
     """Thousands of games take minutes: a miss says so (to the given log, else stderr), a hit says nothing."""
     said: list[str] = []

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -171,21 +172,76 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _made(job: tuple) -> dict:
-    """One game generated and saved to `path` (a pool worker's unit of work), with what the manifest needs."""
-    options, seed, path = job
+def _made(options: Any, seed: int, path: str) -> dict:
+    """One game generated and saved to `path`, with what the manifest needs."""
     game = generate_game(options, seed)
     game.save(path)
     return {"seed": seed, "fingerprint": fingerprint(game), "walkthrough": list(game.quests[0].commands),
             "max_score": int(game.max_score), "states": walkthrough_states(path)}
 
 
-POOL_MIN_GAMES = 64  # a spawned worker takes ~2 s to import textworld: below this, one process is faster
+POOL_MIN_GAMES = 64  # a worker process takes ~2 s to import textworld: below this, one process is faster
+GAME_KEYS = ("world_size", "nb_objects", "quest_length", "rewards")  # what `generate_game` reads
 
 
 def generation_workers(total: int) -> int:
     """Processes that generate `total` games: every core this process may use (at most 8), one for few games."""
     return 1 if total < POOL_MIN_GAMES else max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+WORKER = "import sys; from sao.envs.textworld_games import _worker_main; _worker_main(sys.argv[1:])"
+
+
+class _Worker:
+    """A `python -c WORKER` process generating a block of seeds into a scratch folder, one
+    JSON row per game on its stdout. A plain subprocess, not multiprocessing: spawn re-imports the caller's
+    main module (an unguarded script calling sao.train would start itself again) and fork copies a trainer's
+    threads."""
+
+    def __init__(self, options: Any, seeds: list[int], scratch: Path) -> None:
+        settings = json.dumps({k: getattr(options, k) for k in GAME_KEYS})
+        self.rows: list[dict] = []
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, settings, str(scratch), *map(str, seeds)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.rows.append(json.loads(line))
+
+    def result(self) -> list[dict]:
+        self.reader.join()
+        err = self.proc.stderr.read()
+        if self.proc.wait() != 0:
+            lines = err.strip().splitlines() or [f"exit {self.proc.returncode}"]
+            raise RuntimeError(f"textworld game generation failed: {lines[-1]}")
+        return self.rows
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _round(options: Any, seeds: range, scratch: Path, workers: int, on_game) -> list[dict]:
+    """The rows of these seeds, in seed order: generated here, or by `workers` processes in contiguous blocks."""
+    if workers == 1 or len(seeds) < 2 * workers:
+        rows = []
+        for s in seeds:
+            rows.append(_made(options, s, str(scratch / f"{s}.json")))
+            on_game(len(rows))
+        return rows
+    size = -(-len(seeds) // workers)
+    procs = [_Worker(options, list(seeds[i:i + size]), scratch) for i in range(0, len(seeds), size)]
+    try:
+        while any(p.reader.is_alive() for p in procs):
+            next(p for p in procs if p.reader.is_alive()).reader.join(timeout=1.0)  # wake up to report progress
+            on_game(sum(len(p.rows) for p in procs))
+        return sorted((row for p in procs for row in p.result()), key=lambda row: row["seed"])
+    finally:
+        for p in procs:
+            p.kill()
 
 
 def _generate_all(options: Any, folder: Path, log=_stderr, workers: int | None = None) -> list[dict]:
@@ -195,50 +251,42 @@ def _generate_all(options: Any, folder: Path, log=_stderr, workers: int | None =
     Seeds are tried in rounds of as many seeds as games are still missing, in parallel, and their results
     kept in seed order, so the entry is the same bytes for any number of workers: a game is kept unless an
     earlier seed made the same one."""
-    import concurrent.futures
-    import multiprocessing
-
     rows: list[dict] = []
     seen: set[str] = set()
     total = options.num_train_games + options.num_heldout_games
     workers = workers or generation_workers(total)
-    # spawn, not fork: the caller may be a trainer with torch's threads running
-    pool = (concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-            if workers > 1 else None)
     t0 = last = time.monotonic()
-    try:
-        for split, start, count in (("train", options.train_seed, options.num_train_games),
-                                    ("heldout", options.heldout_seed, options.num_heldout_games)):
-            (folder / split).mkdir(parents=True, exist_ok=True)
-            scratch = folder / f"{split}.made"
-            scratch.mkdir(exist_ok=True)
-            seed, made, tries = start, 0, 0
-            while made < count:
-                seeds = range(seed, seed + count - made)  # each seed adds at most one game: no round overshoots
-                jobs = [(options, s, str(scratch / f"{s}.json")) for s in seeds]
-                done = pool.map(_made, jobs, chunksize=max(1, len(jobs) // (8 * workers))) if pool else map(_made, jobs)
-                for row in done:
-                    tries += 1
-                    if tries > 20 * count + 100:
-                        raise option_error(f"num_{split}_games", f"only {made} distinct {split} games in {tries} seeds; "
-                                                                 "the world is too small for this many (raise world_size, "
-                                                                 "nb_objects or quest_length, or ask for fewer games)")
-                    made_path = scratch / f"{row['seed']}.json"
-                    if row["fingerprint"] in seen:  # a duplicate (within a split, or a held-out game equal to a training one)
-                        made_path.unlink()
-                        continue
-                    seen.add(row["fingerprint"])
-                    os.replace(made_path, folder / split / f"{row['seed']}.json")
-                    rows.append({"split": split, "seed": row["seed"], "file": f"{split}/{row['seed']}.json", **row})
-                    made += 1
-                    if time.monotonic() - last >= 30:
-                        last = time.monotonic()
-                        log(f"generating TextWorld games: {len(rows)}/{total} ({last - t0:.0f}s, {workers} processes)")
-                seed += len(seeds)
-            shutil.rmtree(scratch)
-    finally:
-        if pool:
-            pool.shutdown(cancel_futures=True)
+
+    def on_game(done_in_round: int) -> None:
+        nonlocal last
+        if time.monotonic() - last >= 30:
+            last = time.monotonic()
+            log(f"generating TextWorld games: {len(rows) + done_in_round}/{total} ({last - t0:.0f}s, {workers} processes)")
+
+    for split, start, count in (("train", options.train_seed, options.num_train_games),
+                                ("heldout", options.heldout_seed, options.num_heldout_games)):
+        (folder / split).mkdir(parents=True, exist_ok=True)
+        scratch = folder / f"{split}.made"
+        scratch.mkdir(exist_ok=True)
+        seed, made, tries = start, 0, 0
+        while made < count:
+            seeds = range(seed, seed + count - made)  # each seed adds at most one game: no round overshoots
+            for row in _round(options, seeds, scratch, workers, on_game):
+                tries += 1
+                if tries > 20 * count + 100:
+                    raise option_error(f"num_{split}_games", f"only {made} distinct {split} games in {tries} seeds; "
+                                                             "the world is too small for this many (raise world_size, "
+                                                             "nb_objects or quest_length, or ask for fewer games)")
+                made_path = scratch / f"{row['seed']}.json"
+                if row["fingerprint"] in seen:  # a duplicate (within a split, or a held-out game equal to a training one)
+                    made_path.unlink()
+                    continue
+                seen.add(row["fingerprint"])
+                os.replace(made_path, folder / split / f"{row['seed']}.json")
+                rows.append({"split": split, "seed": row["seed"], "file": f"{split}/{row['seed']}.json", **row})
+                made += 1
+            seed += len(seeds)
+        shutil.rmtree(scratch)
     log(f"generated {total} TextWorld games in {time.monotonic() - t0:.0f}s ({workers} processes)")
     return rows
 
@@ -301,3 +349,12 @@ def load_game(path: str):
 
     game = textworld.Game.load(path)
     return game, Inform7Game(game)
+
+
+def _worker_main(argv: list[str]) -> None:
+    """`python -c WORKER SETTINGS_JSON SCRATCH SEED...`: a `_Worker` process."""
+    from types import SimpleNamespace
+
+    options, scratch = SimpleNamespace(**json.loads(argv[0])), Path(argv[1])
+    for seed in map(int, argv[2:]):
+        print(json.dumps(_made(options, seed, str(scratch / f"{seed}.json"))), flush=True)
