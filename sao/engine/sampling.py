@@ -41,7 +41,6 @@ def _keyed_draw(probs: torch.Tensor, key: int) -> int:
     return min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), probs.numel() - 1)
 
 
-
 def sample_tokens(
     logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator,
     positions: list[int] | None = None,

@@ -223,7 +223,8 @@ def _prepare_fold(engine, options, fold: str, n: int, skip: set[str], progress: 
 
 def prepare_games(options: TextWorldExpressOptions, log=_stderr) -> list[dict]:
     """Every game of these settings with its shortest path: from the cache, or searched (once per entry), with
-    progress lines to `log` on a miss."""
+    progress lines to `log` on a miss: every 30 s and at the end, none before the first 30 s, so settings the
+    engine refuses stay a one-line error."""
     out = Path(options.cache_dir) / f"textworld-express-{_settings_key(options)}.json"
     if out.is_file():
         return json.loads(out.read_text())["games"]
@@ -232,7 +233,6 @@ def prepare_games(options: TextWorldExpressOptions, log=_stderr) -> list[dict]:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process preparing the same entry: wait, then read it
         if out.is_file():
             return json.loads(out.read_text())["games"]
-        log(f"searching shortest paths of textworld-express games into {out}")
         progress = _Progress(options.num_train_games + options.num_heldout_games, log)
         engine = _engine()
         try:
@@ -241,7 +241,7 @@ def prepare_games(options: TextWorldExpressOptions, log=_stderr) -> list[dict]:
                                     {g["fingerprint"] for g in train}, progress)
         finally:
             _release(engine)
-        log(f"prepared {progress.done} textworld-express games in {time.monotonic() - progress.t0:.0f}s")
+        log(f"prepared {progress.done} textworld-express games into {out} in {time.monotonic() - progress.t0:.0f}s")
         tmp = out.with_name(out.name + f".{os.getpid()}.partial")
         tmp.write_text(json.dumps({"settings": options.model_dump(), "games": train + heldout}))
         os.replace(tmp, out)
