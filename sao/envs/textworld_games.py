@@ -201,8 +201,9 @@ class _Worker:
     def __init__(self, options: Any, seeds: list[int], scratch: Path) -> None:
         settings = json.dumps({k: getattr(options, k) for k in GAME_KEYS})
         self.rows: list[dict] = []
+        self.err = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty worker never blocks on a full one
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER, settings, str(scratch), *map(str, seeds)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -212,9 +213,9 @@ class _Worker:
 
     def result(self) -> list[dict]:
         self.reader.join()
-        err = self.proc.stderr.read()
         if self.proc.wait() != 0:
-            lines = err.strip().splitlines() or [f"exit {self.proc.returncode}"]
+            self.err.seek(0)
+            lines = self.err.read().strip().splitlines() or [f"exit {self.proc.returncode}"]
             raise RuntimeError(f"textworld game generation failed: {lines[-1]}")
         return self.rows
 
@@ -222,6 +223,7 @@ class _Worker:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self.err.close()
 
 
 def _round(options: Any, seeds: range, scratch: Path, workers: int, on_game) -> list[dict]:
