@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 # A user environment that fails twice in `new_episode`, counted over the rollout worker threads of the
-# whole process: the 5th episode raises RuntimeError, which ends only that episode (env_error); the 30th
+# whole process (under a lock: CI once saw no restart, consistent with both threads reading the count after
+# both had incremented it past 30): the 5th episode raises RuntimeError, which ends only that episode (env_error); the 30th
 # calls sys.exit, which no episode catches: the worker thread's event loop stops as a worker process
 # would exit. Evaluation (the trainer's own thread) is not counted.
 CRASHING = '''
@@ -27,15 +28,18 @@ import threading
 from examples.word_env.word_env import WordEnvironment
 
 CALLS = [0]
+LOCK = threading.Lock()
 
 
 class CrashingEnvironment(WordEnvironment):
     def new_episode(self, ctx):
         if threading.current_thread().name.startswith("sao-rollout"):
-            CALLS[0] += 1
-            if CALLS[0] == 5:
+            with LOCK:  # two worker threads: each call must see its own count, or both can miss the 30th
+                CALLS[0] += 1
+                n = CALLS[0]
+            if n == 5:
                 raise RuntimeError("crashing environment: cannot open an episode")
-            if CALLS[0] == 30:
+            if n == 30:
                 sys.exit("crashing environment: exits")
         return super().new_episode(ctx)
 '''
